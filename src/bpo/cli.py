@@ -35,7 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
-        print(f"bpo: unknown command {name!r}; valid commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        print(
+            f"bpo: unknown command {name!r}; valid commands: {', '.join(COMMANDS)}", file=sys.stderr
+        )
         return 2
     target, _ = COMMANDS[name]
     module, func = target.split(":")

@@ -34,6 +34,7 @@ __all__ = [
     "gae",
     "index_tree",
     "names",
+    "node_values",
 ]
 
 
@@ -113,7 +114,7 @@ def index_tree(parents: Sequence[int], rewards: Sequence[float]) -> TreeIndex:
     return TreeIndex(p, r, children, order, depth)
 
 
-def _values(t: TreeIndex) -> tuple[np.ndarray, np.ndarray]:
+def node_values(t: TreeIndex) -> tuple[np.ndarray, np.ndarray]:
     """V(x) = mean over children of r_e + V(y) (0 at leaves); Q(e) = r_e + V(y). Both [n]."""
     n = len(t.parents)
     v = np.zeros(n)
@@ -126,10 +127,14 @@ def _values(t: TreeIndex) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _loo_mean(x: np.ndarray) -> np.ndarray:
-    """Leave-one-out mean of each entry among the others ([k] -> [k]); zeros when k < 2."""
+    """Leave-one-out mean of each entry among the others ([k] -> [k]).
+
+    With fewer than 2 entries there is no other sample: the entry itself is returned, so that
+    the advantage ``x - loo`` is 0 (a group reduced to one sample carries no signal).
+    """
     k = len(x)
     if k < 2:
-        return np.zeros(k)
+        return x.astype(np.float64, copy=True)
     return (x.sum() - x) / (k - 1)
 
 
@@ -193,7 +198,7 @@ def bpo(
     deviation (biased; off by default, as in Dr. GRPO, Liu et al. 2025).
     """
     _reject("bpo", options)
-    _, q = _values(tree)
+    _, q = node_values(tree)
     n = len(tree.parents)
     k = tree.num_children
     adv = np.zeros(n)

@@ -42,9 +42,7 @@ class Registry(Generic[T]):
             return self._items[name]
         except KeyError:
             valid = ", ".join(sorted(self._items))
-            raise UnknownNameError(
-                f"unknown {self.kind} {name!r}; valid names: {valid}"
-            ) from None
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; valid names: {valid}") from None
 
     def names(self) -> list[str]:
         return sorted(self._items)
