@@ -71,6 +71,8 @@ class Node:
     """Turn entropy of the policy at this state, when it acted here (for branch statistics)."""
     branch_k: int = 1
     """Children the branch rule asked for here (1 = not a branch point)."""
+    step: int = 0
+    """Actions taken on the path from the root to this state."""
 
     @property
     def terminal(self) -> bool:
@@ -112,9 +114,9 @@ class Tree:
         if self.nodes[parent].terminal:
             raise ValueError(f"node {parent} is terminal; it cannot have children")
         idx = len(self.nodes)
-        self.nodes.append(
-            Node(parent, turn, tuple(obs_ids), observation, fingerprint, context_reset)
-        )
+        node = Node(parent, turn, tuple(obs_ids), observation, fingerprint, context_reset)
+        node.step = self.nodes[parent].step + 1
+        self.nodes.append(node)
         self.nodes[parent].children.append(idx)
         return idx
 

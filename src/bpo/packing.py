@@ -1,0 +1,227 @@
+"""Prefix-shared training inputs: a batch of trees as a *token forest* (DESIGN section 5).
+
+Every token of every tree appears once. Each token has a predecessor (the token before it in
+the context it was part of) so that the tokens form a forest; a token attends to exactly its
+ancestors in that forest, and its position id is its depth. Siblings therefore share their
+prefix's computation, and the log-probs equal those of the independent computation (every
+root-to-leaf path read as its own sequence) up to float error.
+
+The mask is an *additive float* mask (0 where visible, dtype-min elsewhere): transformers
+passes a custom 4D mask through for Qwen2 and Llama, and a boolean 4D mask is silently wrong
+under eager attention (MACHINE.md). The dense ``[L, L]`` mask costs O(L^2), which is why
+:func:`choose_layout` falls back to independent (padded) rows when the trees share little.
+
+Written by hand because no library packs tree-structured sequences for training: TRL, verl and
+OpenRLHF pack *independent* sequences (block-diagonal masks), not shared prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bpo.tree import Tree
+
+__all__ = ["ActionTokens", "Packed", "choose_layout", "pack_forest", "pack_paths"]
+
+
+@dataclass(frozen=True)
+class ActionTokens:
+    """Where each action token of each edge sits in a packed batch."""
+
+    row: np.ndarray  # [A] int64: row of the packed batch
+    pred: np.ndarray  # [A] int64: index of the token whose logits predict it
+    token: np.ndarray  # [A] int64: the token id
+    edge: np.ndarray  # [A] int64: global edge index (see Packed.edges)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Model inputs for a batch of trees, plus the map back to their action tokens."""
+
+    input_ids: torch.Tensor  # [R, L] int64
+    position_ids: torch.Tensor  # [R, L] int64
+    attention_mask: torch.Tensor  # [R, 1, L, L] float additive (0 visible, min hidden)
+    actions: ActionTokens
+    edges: list[tuple[int, int]]  # global edge index -> (tree index, node index)
+    computed_tokens: int
+    """Tokens the model computes (unique tokens for the forest, sum of paths when padded)."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _tree_tokens(tree: Tree) -> tuple[list[int], list[int], list[tuple[int, int, int]]]:
+    """The token forest of one tree: ids, predecessor (-1 = root of a context) and, for each
+    action token, (position, edge node, offset)."""
+    ids: list[int] = []
+    prev: list[int] = []
+    acts: list[tuple[int, int, int]] = []
+    last: dict[int, int] = {}  # node -> index of the last token of its context (-1: none)
+
+    def push(tok: int, p: int) -> int:
+        ids.append(int(tok))
+        prev.append(p)
+        return len(ids) - 1
+
+    stack = [0]
+    while stack:
+        i = stack.pop()
+        node = tree.nodes[i]
+        p = -1 if i == 0 else last[node.parent]
+        if node.turn is not None:
+            for j, tok in enumerate(node.turn.action_ids):
+                p = push(tok, p)
+                acts.append((p, i, j))
+        if node.context_reset:
+            p = -1
+        for tok in node.obs_ids:
+            p = push(tok, p)
+        last[i] = p
+        stack.extend(reversed(node.children))
+    return ids, prev, acts
+
+
+def _ancestor_mask(prev: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Boolean [L, L] ancestor-or-self matrix and depths (position ids) for a token forest
+    whose predecessors come before their successors."""
+    n = len(prev)
+    vis = np.zeros((n, n), dtype=bool)
+    depth = np.zeros(n, dtype=np.int64)
+    for t, p in enumerate(prev):
+        if p >= 0:
+            vis[t, : p + 1] = vis[p, : p + 1]
+            depth[t] = depth[p] + 1
+        vis[t, t] = True
+    return vis, depth
+
+
+def _to_packed(
+    rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]],
+    edges: list[tuple[int, int]],
+    pad_id: int,
+    dtype: torch.dtype,
+) -> Packed:
+    width = max(len(ids) for ids, _, _ in rows)
+    r = len(rows)
+    input_ids = torch.full((r, width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((r, width), dtype=torch.long)
+    vis = np.zeros((r, width, width), dtype=bool)
+    a_row, a_pred, a_tok, a_edge = [], [], [], []
+    computed = 0
+    for k, (ids, prev, acts) in enumerate(rows):
+        m, d = _ancestor_mask(prev)
+        n = len(ids)
+        computed += n
+        input_ids[k, :n] = torch.tensor(ids, dtype=torch.long)
+        position_ids[k, :n] = torch.from_numpy(d)
+        vis[k, :n, :n] = m
+        vis[k, n:, n:] = np.eye(width - n, dtype=bool)  # padding attends to itself only
+        for pos, edge, pred, tok in acts:
+            a_row.append(k)
+            a_pred.append(pred)
+            a_tok.append(tok)
+            a_edge.append(edge)
+            del pos
+    mask = torch.zeros((r, 1, width, width), dtype=dtype)
+    mask.masked_fill_(~torch.from_numpy(vis)[:, None], torch.finfo(dtype).min)
+    actions = ActionTokens(
+        np.array(a_row, dtype=np.int64),
+        np.array(a_pred, dtype=np.int64),
+        np.array(a_tok, dtype=np.int64),
+        np.array(a_edge, dtype=np.int64),
+    )
+    return Packed(input_ids, position_ids, mask, actions, edges, computed)
+
+
+def pack_forest(
+    trees: Sequence[Tree],
+    *,
+    pad_id: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_row_tokens: int | None = None,
+) -> Packed:
+    """Each tree's unique tokens once; trees share a row while it has room (block-diagonal)."""
+    edges: list[tuple[int, int]] = []
+    rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = []
+    for t, tree in enumerate(trees):
+        ids, prev, acts = _tree_tokens(tree)
+        base_edge = len(edges)
+        node_edge: dict[int, int] = {}
+        for _, node, _ in acts:
+            if node not in node_edge:
+                node_edge[node] = len(edges)
+                edges.append((t, node))
+        del base_edge
+        if rows and max_row_tokens and len(rows[-1][0]) + len(ids) <= max_row_tokens:
+            row_ids, row_prev, row_acts = rows[-1]
+        else:
+            row_ids, row_prev, row_acts = [], [], []
+            rows.append((row_ids, row_prev, row_acts))
+        off = len(row_ids)
+        row_ids.extend(ids)
+        row_prev.extend(p + off if p >= 0 else -1 for p in prev)
+        for pos, node, _ in acts:
+            pred = row_prev[pos + off]
+            if pred < 0:
+                raise ValueError(f"tree {t} node {node}: an action token has no context before it")
+            row_acts.append((pos + off, node_edge[node], pred, row_ids[pos + off]))
+    return _to_packed(rows, edges, pad_id, dtype)
+
+
+def pack_paths(
+    trees: Sequence[Tree], *, pad_id: int = 0, dtype: torch.dtype = torch.float32
+) -> Packed:
+    """The independent layout: one row per leaf (its full root-to-leaf sequence, causal mask).
+    Each edge's tokens are scored in the first row (leftmost leaf) whose path contains it.
+    This is the reference the packed forest must equal, and the faster layout when trees
+    share little."""
+    edges: list[tuple[int, int]] = []
+    rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = []
+    for t, tree in enumerate(trees):
+        seen: set[int] = set()
+        for leaf in tree.leaves():
+            path = []
+            j = leaf
+            while j != -1:
+                path.append(j)
+                j = tree.nodes[j].parent
+            path.reverse()
+            ids: list[int] = []
+            acts: list[tuple[int, int, int, int]] = []
+            for i in path:
+                node = tree.nodes[i]
+                if node.turn is not None:
+                    if i not in seen:
+                        seen.add(i)
+                        edges.append((t, i))
+                        for tok in node.turn.action_ids:
+                            acts.append((len(ids), len(edges) - 1, len(ids) - 1, tok))
+                            ids.append(tok)
+                    else:
+                        ids.extend(node.turn.action_ids)
+                if node.context_reset:
+                    raise ValueError("pack_paths does not support context resets; use pack_forest")
+                ids.extend(node.obs_ids)
+            if acts:
+                rows.append((ids, list(range(-1, len(ids) - 1)), acts))
+    return _to_packed(rows, edges, pad_id, dtype)
+
+
+def choose_layout(trees: Sequence[Tree], threshold: float = 0.75) -> str:
+    """ "forest" when the trees' unique tokens are at most ``threshold`` of the tokens the
+    independent layout would compute (long shared prefixes), else "paths" (MACHINE.md: the
+    dense forest mask loses when prefixes are short and branches long)."""
+    unique = total = 0
+    for tree in trees:
+        lens = {}
+        for i, node in enumerate(tree.nodes):
+            own = len(node.obs_ids) + (len(node.turn.action_ids) if node.turn else 0)
+            lens[i] = own + (lens[node.parent] if i else 0)
+            unique += own
+        total += sum(lens[leaf] for leaf in tree.leaves())
+    return "forest" if unique <= threshold * max(total, 1) else "paths"

@@ -1,0 +1,329 @@
+"""The rollout engine: grows one tree per task (DESIGN section 3), many tasks at once.
+
+One engine serves every method so that they are compared under one harness:
+
+* BPO: ``root_width`` backbones (1 or more) from the task's initial state; at every decision a
+  causal branch rule decides whether the state becomes a branch node with K children; if so
+  the sandbox is snapshotted *before* the backbone's action is applied and K - 1 forks are
+  queued; each fork later restores the snapshot, samples a fresh action i.i.d. from the same
+  context and rolls out to termination (forks may branch again if the rule allows).
+* Independent groups (GRPO, RLOO, GiGPO, PPO): ``rule = none`` and ``root_width = N``, i.e. a
+  root with N children and no other branch node.
+
+Each tree runs in one sandbox (native snapshots are valid only in the instance that made them),
+so its rollouts run one after another; concurrency comes from many tasks in flight, whose
+policy calls are batched together. The per-task :class:`~bpo.rollout.budget.Budget` is checked
+before each new rollout (and, with ``truncate``, each turn), so every method stops at the same
+cost in the chosen unit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bpo.branching import BranchPoint, BranchRule
+from bpo.rollout.budget import Budget, Compute
+from bpo.sandbox.protocol import Observation, Sandbox, Snapshot
+from bpo.tree import Tree, Turn
+
+__all__ = ["ENTROPY_MODES", "Prompter", "RolloutConfig", "RolloutEngine"]
+
+ENTROPY_MODES = ("mean", "first")
+
+
+class Prompter(Protocol):
+    """Builds the policy's context at the token level, append-only (see ``bpo.policy.prompts``)."""
+
+    def start(
+        self, instruction: str, observation: str, admissible: Sequence[str] | None
+    ) -> list[int]: ...
+
+    def extend(
+        self, action_ids: Sequence[int], observation: str, admissible: Sequence[str] | None
+    ) -> list[int]: ...
+
+
+class SamplerPolicy(Protocol):
+    """The part of :class:`bpo.policy.protocol.Policy` the engine uses."""
+
+    def sample(self, contexts, n=1, params=None): ...  # -> list[list[TurnSample]]
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    root_width: int = 1
+    """Children of the root: 1 = a single backbone (BPO default), N = an independent group."""
+    max_steps: int = 30
+    """Turns per rollout before it is truncated."""
+    budget: Budget = field(default_factory=Budget)
+    entropy: str = "mean"
+    """Turn entropy fed to the branch rule: mean over the action's tokens (DESIGN default) or the
+    first token's. The first token's entropy depends only on the state, so the backbone's action
+    stays an exact i.i.d. sibling; the mean also depends on the sampled action itself."""
+    concurrency: int = 8
+    """Trees grown at once (one sandbox each); their policy calls are batched together."""
+    policy_version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.root_width < 1:
+            raise ValueError(f"root_width must be >= 1, got {self.root_width}")
+        if self.entropy not in ENTROPY_MODES:
+            raise ValueError(f"unknown entropy mode {self.entropy!r}; valid: mean, first")
+        if self.max_steps < 1 or self.concurrency < 1:
+            raise ValueError("max_steps and concurrency must be >= 1")
+
+
+@dataclass
+class _Pending:
+    node: int
+    snapshot: Snapshot
+    forks_left: int
+    depth: int
+
+
+@dataclass
+class _Cursor:
+    node: int
+    depth: int
+    observation: Observation
+    fork_start: bool
+    """True when the next sample is a fork's action at an existing branch node."""
+
+
+@dataclass
+class _TreeRun:
+    """One task's tree in progress, with its sandbox."""
+
+    tree: Tree
+    sandbox: Sandbox
+    compute: Compute = field(default_factory=Compute)
+    pending: deque[_Pending] = field(default_factory=deque)
+    cursor: _Cursor | None = None
+    branches: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    backbone: list[tuple[BranchPoint, Snapshot]] = field(default_factory=list)
+
+
+class RolloutEngine:
+    """Grows rollout trees for a batch of tasks with a policy, a prompter and a branch rule."""
+
+    def __init__(
+        self,
+        policy: SamplerPolicy,
+        prompter: Prompter,
+        parse_action: Callable[[str, Sequence[str] | None], str],
+        rule: BranchRule,
+        sandbox_factory: Callable[[], Sandbox],
+        config: RolloutConfig,
+        sampling: object | None = None,
+    ) -> None:
+        self.policy = policy
+        self.prompter = prompter
+        self.parse_action = parse_action
+        self.rule = rule
+        self.config = config
+        self.sampling = sampling
+        self._factory = sandbox_factory
+        self._sandboxes: list[Sandbox] = []
+
+    # -- public --------------------------------------------------------------------------
+    def run(self, tasks: Sequence[tuple[str, int]]) -> list[Tree]:
+        """Grow one tree per ``(task, seed)``; returns them in task order."""
+        todo = deque(enumerate(tasks))
+        free = self._ensure_sandboxes(min(self.config.concurrency, len(tasks)))
+        live: dict[int, _TreeRun] = {}
+        done: dict[int, Tree] = {}
+        while todo or live:
+            while todo and free:
+                i, (task, seed) = todo.popleft()
+                live[i] = self._start(task, seed, free.pop())
+            ready = [i for i, r in live.items() if r.cursor is not None]
+            if ready:
+                self._turn([live[i] for i in ready])
+            for i in list(live):
+                run = live[i]
+                if run.cursor is None and not self._next_rollout(run):
+                    done[i] = self._finish(run)
+                    free.append(run.sandbox)
+                    del live[i]
+        self.rule.end_iteration()
+        return [done[i] for i in range(len(tasks))]
+
+    def close(self) -> None:
+        for sb in self._sandboxes:
+            sb.close()
+        self._sandboxes = []
+
+    # -- phases ----------------------------------------------------------------------------
+    def _ensure_sandboxes(self, n: int) -> list[Sandbox]:
+        while len(self._sandboxes) < n:
+            self._sandboxes.append(self._factory())
+        return list(self._sandboxes[:n])
+
+    def _start(self, task: str, seed: int, sandbox: Sandbox) -> _TreeRun:
+        t0 = time.perf_counter()
+        obs = sandbox.reset(task, seed)
+        run = _TreeRun(Tree(task, seed), sandbox)
+        run.compute.sandbox_seconds += time.perf_counter() - t0
+        ids = self.prompter.start(obs.instruction, obs.text, obs.admissible)
+        run.tree.add_root(ids, obs.text, sandbox.fingerprint())
+        width = self.config.root_width
+        if width >= 2:
+            run.tree.nodes[0].branch_k = width
+            run.pending.append(_Pending(0, self._snapshot(run), width - 1, 0))
+            run.branches += 1
+        run.cursor = _Cursor(0, 0, obs, fork_start=width >= 2)
+        run.compute.episodes += 1
+        return run
+
+    def _turn(self, runs: list[_TreeRun]) -> None:
+        """1. batch the policy over every tree's cursor; 2. branch decision; 3. step sandboxes."""
+        contexts = [r.tree.context(r.cursor.node) for r in runs]  # type: ignore[union-attr]
+        t0 = time.perf_counter()
+        samples = self.policy.sample(contexts, 1, self.sampling)
+        dt = (time.perf_counter() - t0) / len(runs)
+        for run, ctx, (s,) in zip(runs, contexts, samples, strict=True):
+            run.compute.policy_seconds += dt
+            run.compute.generated_tokens += len(s.action_ids)
+            run.compute.prefill_tokens += int(getattr(s, "prefill_tokens", len(ctx)))
+            run.compute.context_tokens += len(ctx)
+            self._apply(run, s)
+
+    def _apply(self, run: _TreeRun, s) -> None:
+        cur = run.cursor
+        assert cur is not None
+        tree, node = run.tree, run.tree.nodes[cur.node]
+        ent = _turn_entropy(s.entropies, self.config.entropy)
+        if node.entropy is None:
+            node.entropy = ent
+        if not cur.fork_start:
+            self._decide(run, cur, ent)
+        admissible = cur.observation.admissible
+        action = self.parse_action(s.text, admissible)
+        t0 = time.perf_counter()
+        res = run.sandbox.step(action)
+        run.compute.sandbox_seconds += time.perf_counter() - t0
+        run.compute.sandbox_steps += 1
+        cfg = self.config
+        truncated = res.truncated or (node.step + 1 >= cfg.max_steps and not res.terminated)
+        b = cfg.budget
+        if (
+            b.truncate
+            and b.used(run.compute) >= b.amount
+            and run.compute.episodes >= b.min_rollouts
+        ):
+            truncated = truncated or not res.terminated
+        turn = Turn(
+            tuple(s.action_ids), tuple(s.logprobs), tuple(s.entropies), action,
+            float(res.reward), bool(res.terminated), bool(truncated), cfg.policy_version,
+        )  # fmt: skip
+        done = turn.terminated or turn.truncated
+        obs_ids = () if done else self.prompter.extend(s.action_ids, res.observation.text,
+                                                      res.observation.admissible)  # fmt: skip
+        child = tree.add_child(
+            cur.node, turn, obs_ids, res.observation.text, run.sandbox.fingerprint()
+        )
+        if done:
+            run.compute.leaves += 1
+            run.cursor = None
+        else:
+            run.cursor = _Cursor(child, cur.depth, res.observation, fork_start=False)
+
+    def _decide(self, run: _TreeRun, cur: _Cursor, entropy: float) -> None:
+        """The branch rule at the cursor's state (before its action is applied)."""
+        point = BranchPoint(
+            step=run.tree.nodes[cur.node].step,
+            entropy=entropy,
+            depth=cur.depth,
+            branches_so_far=run.branches,
+            budget_left=self.config.budget.left(run.compute),
+            horizon=self.config.max_steps,
+        )
+        if not self.rule.causal:
+            if cur.depth == 0:  # the ablation looks at the finished backbone: keep every state
+                run.backbone.append((point, self._snapshot(run)))
+            return
+        k = int(self.rule.decide(point))
+        if k >= 2:
+            run.tree.nodes[cur.node].branch_k = k
+            run.pending.append(_Pending(cur.node, self._snapshot(run), k - 1, cur.depth + 1))
+            run.branches += 1
+
+    def _next_rollout(self, run: _TreeRun) -> bool:
+        """Start the next queued fork if the budget allows; False when the tree is complete."""
+        if run.backbone:  # non-causal ablation: choose branch points now, with hindsight
+            chosen = self.rule.select([p for p, _ in run.backbone])
+            for point, snap in run.backbone:
+                k = chosen.get(point.step, 1)
+                node = self._node_at_step(run.tree, point.step)
+                if k >= 2:
+                    run.tree.nodes[node].branch_k = k
+                    run.pending.append(_Pending(node, snap, k - 1, 1))
+                    run.branches += 1
+                else:
+                    self._release(run, snap)
+            run.backbone = []
+        budget = self.config.budget
+        while run.pending:
+            p = run.pending[0]
+            spent = budget.used(run.compute) >= budget.amount
+            if spent and run.compute.episodes >= budget.min_rollouts:
+                for q in run.pending:
+                    self._release(run, q.snapshot)
+                run.pending.clear()
+                return False
+            obs = self._restore(run, p.snapshot)
+            p.forks_left -= 1
+            if p.forks_left == 0:
+                run.pending.popleft()
+                self._release(run, p.snapshot)
+            run.cursor = _Cursor(p.node, p.depth, obs, fork_start=True)
+            run.compute.episodes += 1
+            return True
+        return False
+
+    def _finish(self, run: _TreeRun) -> Tree:
+        tree = run.tree
+        run.compute.wall_seconds = time.perf_counter() - run.started
+        tree.meta["compute"] = run.compute
+        stats = run.sandbox.stats()
+        tree.meta["live_snapshots_after"] = stats.live
+        return tree
+
+    # -- snapshots -------------------------------------------------------------------------
+    def _snapshot(self, run: _TreeRun) -> Snapshot:
+        t0 = time.perf_counter()
+        snap = run.sandbox.snapshot()
+        run.compute.snapshot_seconds += time.perf_counter() - t0
+        run.compute.snapshots += 1
+        return snap
+
+    def _restore(self, run: _TreeRun, snap: Snapshot) -> Observation:
+        t0 = time.perf_counter()
+        obs = run.sandbox.restore(snap)
+        run.compute.snapshot_seconds += time.perf_counter() - t0
+        run.compute.restores += 1
+        return obs
+
+    def _release(self, run: _TreeRun, snap: Snapshot) -> None:
+        run.sandbox.release(snap)
+
+    @staticmethod
+    def _node_at_step(tree: Tree, step: int) -> int:
+        """The backbone node at ``step`` (the backbone is the first child chain)."""
+        node = 0
+        for _ in range(step):
+            node = tree.nodes[node].children[0]
+        return node
+
+
+def _turn_entropy(entropies: Sequence[float], mode: str) -> float:
+    if not entropies:
+        return 0.0
+    if mode == "first":
+        return float(entropies[0])
+    return float(sum(entropies) / len(entropies))

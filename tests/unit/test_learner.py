@@ -1,0 +1,159 @@
+"""Learner: packed (token forest) log-probs and gradients equal the independent computation;
+one update changes every trainable parameter."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from bpo.learner import Learner, LearnerConfig, token_logprobs
+from bpo.packing import choose_layout, pack_forest, pack_paths
+from bpo.tree import Tree, Turn
+
+VOCAB = 64
+
+
+def tiny(arch="qwen2", attn="sdpa", seed=0):
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    model.config._attn_implementation = attn
+    return model.float()
+
+
+def random_tree(rng, prefix=12, k=3, depth=2, reset_at=None):
+    t = Tree("t")
+    t.add_root(rng.integers(1, VOCAB, prefix).tolist())
+    frontier = [0]
+    for level in range(depth):
+        nxt = []
+        for u in frontier:
+            for _ in range(k if level < depth - 1 or u == frontier[0] else 1):
+                n_act = int(rng.integers(1, 5))
+                act = rng.integers(1, VOCAB, n_act).tolist()
+                turn = Turn(
+                    tuple(act),
+                    tuple(float(-x) for x in rng.random(n_act)),
+                    (0.5,) * n_act,
+                    "a",
+                    float(rng.random()),
+                    terminated=level == depth - 1,
+                )
+                obs = [] if level == depth - 1 else rng.integers(1, VOCAB, 3).tolist()
+                c = t.add_child(u, turn, obs, context_reset=(reset_at == level and bool(obs)))
+                nxt.append(c)
+        frontier = nxt
+    return t
+
+
+def edge_logps(model, packed):
+    logp, _, sel = token_logprobs(model, packed)
+    out = {}
+    for lp, s in zip(logp, sel, strict=True):
+        out.setdefault(packed.edges[packed.actions.edge[s]], []).append(lp)
+    return {k: torch.stack(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_forest_equals_independent_paths(arch, attn):
+    rng = np.random.default_rng(1)
+    trees = [random_tree(rng), random_tree(rng, prefix=5, k=2, depth=3)]
+    model = tiny(arch, attn)
+    forest = edge_logps(model, pack_forest(trees, max_row_tokens=10_000))
+    paths = edge_logps(model, pack_paths(trees))
+    assert forest.keys() == paths.keys()
+    for key in forest:
+        torch.testing.assert_close(forest[key], paths[key], atol=1e-5, rtol=1e-5)
+    # and both equal a plain causal forward of one path, with no custom mask at all
+    t = trees[0]
+    leaf = t.leaves()[-1]
+    ctx = t.context(t.nodes[leaf].parent)
+    act = list(t.nodes[leaf].turn.action_ids)
+    ids = torch.tensor([ctx + act])
+    logits = model(input_ids=ids).logits[0, len(ctx) - 1 : -1]
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(act)[:, None]).squeeze(-1)
+    torch.testing.assert_close(forest[(0, leaf)], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_forest_gradients_equal_independent():
+    rng = np.random.default_rng(2)
+    trees = [random_tree(rng)]
+    grads = []
+    for pack in (pack_forest, pack_paths):
+        model = tiny()
+        logp, _, _ = token_logprobs(model, pack(trees))
+        logp.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_forest_computes_each_prefix_once():
+    rng = np.random.default_rng(3)
+    trees = [random_tree(rng, prefix=100, k=4, depth=2)]
+    forest, paths = pack_forest(trees), pack_paths(trees)
+    unique = sum(len(n.obs_ids) + (len(n.turn.action_ids) if n.turn else 0) for n in trees[0].nodes)
+    assert forest.computed_tokens == unique
+    assert paths.computed_tokens > 3 * unique / 2
+    assert choose_layout(trees) == "forest"
+
+
+def test_context_reset_is_honoured():
+    rng = np.random.default_rng(4)
+    t = random_tree(rng, depth=3, k=2, reset_at=0)
+    model = tiny()
+    got = edge_logps(model, pack_forest([t]))
+    for (_, node), lp in got.items():
+        parent = t.nodes[node].parent
+        ctx = t.context(parent)
+        act = list(t.nodes[node].turn.action_ids)
+        logits = model(input_ids=torch.tensor([ctx + act])).logits[0, len(ctx) - 1 : -1]
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(act)[:, None]).squeeze(-1)
+        torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["tree", "token_mean", "sequence_mean"])
+def test_one_update_changes_every_parameter(aggregation):
+    rng = np.random.default_rng(5)
+    trees = [random_tree(rng), random_tree(rng)]
+    model = tiny()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    learner = Learner(model, LearnerConfig(lr=1e-2, aggregation=aggregation, minibatches=2))
+    m = learner.update(trees, "bpo")
+    assert learner.updates == 2
+    assert np.isfinite(m["loss/total"]) and m["learner/grad_norm"] > 0
+    for n, p in model.named_parameters():
+        assert not torch.equal(before[n], p.detach()), f"{n} did not change"
+
+
+def test_nonfinite_update_is_skipped():
+    rng = np.random.default_rng(6)
+    trees = [random_tree(rng)]
+    bad = trees[0].nodes[1].turn
+    trees[0].nodes[1].turn = Turn(
+        bad.action_ids,
+        (float("nan"),) * len(bad.action_ids),
+        bad.entropies,
+        "a",
+        bad.reward,
+        bad.terminated,
+    )
+    model = tiny()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    learner = Learner(model, LearnerConfig(lr=1e-2, max_bad_steps=3))
+    m = learner.update(trees, "bpo")
+    assert m["learner/skipped_nonfinite"] == 1.0 and learner.updates == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(before[n], p.detach())
