@@ -1,0 +1,321 @@
+"""Run configuration: one frozen dataclass per concern, YAML files, dotted command-line overrides.
+
+    bpo train                                   # the default CPU demo config
+    bpo train --config configs/alfworld.yaml tree.k=4 estimator=rloo learner.lr=3e-5
+
+Some sections accept a bare value for their main field: ``estimator=rloo`` sets
+``estimator.name``, ``sandbox=alfworld`` sets ``sandbox.name``, ``tree=every`` sets
+``tree.rule`` and ``policy=PATH`` sets ``policy.model``. Unknown keys, wrong types and invalid values fail at load time with a
+message that names the key and lists the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bpo.learner import LearnerConfig
+from bpo.rollout.budget import BUDGET_UNITS
+
+__all__ = [
+    "BudgetConfig",
+    "Config",
+    "ConfigError",
+    "EstimatorConfig",
+    "EvalConfig",
+    "PolicyConfig",
+    "RunConfig",
+    "SFTConfig",
+    "SandboxConfig",
+    "TreeConfig",
+    "load_config",
+    "to_dict",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key (or file) and the fix."""
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    name: str = "textworld"
+    """Environment name (``bpo check-sandbox --list`` shows them)."""
+    backend: str = "auto"
+    """Snapshot backend: auto, native, replay, pickle, fork."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Environment options (e.g. challenge, level, max_steps)."""
+    train_split: str = "train"
+    eval_split: str = "test"
+    num_train_tasks: int = 64
+    num_eval_tasks: int = 32
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    model: str = "tiny"
+    """A local model directory, "tiny" (``bpo init-model`` on the environment's text), or
+    "smollm2-135m" (``bpo fetch-model``)."""
+    backend: str = "hf"
+    """Inference backend: hf (transformers) or vllm."""
+    dtype: str = "float32"
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_context_tokens: int = 2048
+    show_admissible: bool = True
+    """List the admissible actions in the prompt where the environment has them."""
+    snap_to_admissible: bool = False
+    """Map parsed action text to the closest admissible action (case-insensitive match)."""
+    tiny_hidden: int = 128
+    tiny_layers: int = 2
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    rule: str = "entropy_quantile"
+    """Branch rule (bpo.branching): entropy_quantile, entropy_threshold, every, fixed_depths,
+    random, tail, none, topk_backbone (non-causal ablation)."""
+    k: int = 4
+    """Children per branch node."""
+    root_width: int = 2
+    """Children of the root (1 = single backbone; N with rule none = an independent group)."""
+    entropy: str = "mean"
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra rule options (quantile, threshold, steps, p, max_branches, max_depth, ...)."""
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    name: str = "bpo"
+    """Advantage estimator (bpo.estimators): bpo, rloo, grpo, gigpo, ..."""
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    unit: str = "tokens"
+    """Matched-compute unit: tokens (generated), steps (sandbox) or leaves."""
+    amount: float = 1200
+    """Per-task budget in that unit."""
+    truncate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.unit not in BUDGET_UNITS:
+            raise ConfigError(
+                f"budget.unit={self.unit!r} is not valid; valid: {', '.join(BUDGET_UNITS)}"
+            )
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    episodes_per_task: int = 1
+    """Expert demonstrations per training task for the warm start (0 = no warm start)."""
+    epochs: int = 3
+    lr: float = 1e-3
+    batch_size: int = 16
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0
+    """Evaluate on held-out tasks every N iterations (0 = only before and after training)."""
+    temperature: float = 0.0
+    """0 = greedy evaluation."""
+    episodes_per_task: int = 1
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    iterations: int = 10
+    tasks_per_iteration: int = 8
+    seed: int = 0
+    out: str = "runs"
+    """Runs are written to OUT/NAME."""
+    name: str = ""
+    """Run directory name (default: method and time)."""
+    checkpoint_every: int = 1
+    concurrency: int = 8
+    max_steps: int = 20
+
+
+@dataclass(frozen=True)
+class Config:
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# building dataclasses from plain data, with errors that name the key
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: cannot be {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping of fields, got {value!r}")
+        return _build(tp, value, key)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        inner = args[0] if args and (len(args) == 2 and args[1] is Ellipsis) else None
+        if inner is not None:
+            return tuple(_coerce(v, inner, key) for v in value)
+        if len(args) != len(value):
+            raise ConfigError(f"{key} must have {len(args)} entries, got {value!r}")
+        return tuple(_coerce(v, a, key) for v, a in zip(value, args, strict=True))
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            raise ConfigError(f"unknown config key {key!r}; valid keys here: {', '.join(names)}")
+        kwargs[k] = _coerce(v, hints[k], key)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{prefix or 'config'}: {e}") from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict (YAML-safe) of a config."""
+    out = dataclasses.asdict(cfg)
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: fix(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [fix(v) for v in x]
+        return x
+
+    return fix(out)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+_SHORTHAND = {"estimator": "name", "sandbox": "name", "tree": "rule", "policy": "model"}
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides (values parsed as YAML scalars) to nested plain data."""
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. tree.k=4)")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        value = _parse_value(text)
+        if len(parts) == 1 and parts[0] in sections:
+            if parts[0] in _SHORTHAND:
+                parts = [parts[0], _SHORTHAND[parts[0]]]
+            else:
+                raise ConfigError(
+                    f"{key!r} is a section; set one of its keys, e.g. {key}.KEY=VALUE"
+                )
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"cannot set {key!r}: {p!r} is not a section")
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the YAML file (if any), then the overrides; validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+        data = loaded
+    data = apply_overrides(data, overrides)
+    cfg = _build(Config, data)
+    _validate_names(cfg)
+    return cfg
+
+
+def _validate_names(cfg: Config) -> None:
+    from bpo.branching import BRANCH_RULES
+    from bpo.estimators import ESTIMATORS
+
+    if cfg.estimator.name not in ESTIMATORS:
+        raise ConfigError(
+            f"estimator.name={cfg.estimator.name!r} is not valid; valid: "
+            f"{', '.join(ESTIMATORS.names())}"
+        )
+    if cfg.tree.rule not in BRANCH_RULES:
+        raise ConfigError(
+            f"tree.rule={cfg.tree.rule!r} is not valid; valid: {', '.join(BRANCH_RULES.names())}"
+        )
+    if cfg.policy.backend not in ("hf", "vllm"):
+        raise ConfigError(f"policy.backend={cfg.policy.backend!r} is not valid; valid: hf, vllm")
