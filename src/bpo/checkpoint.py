@@ -1,0 +1,200 @@
+"""Checkpoints that survive crashes: written atomically, verified on load.
+
+Layout of a run directory's checkpoints::
+
+    checkpoints/
+      iter-000003/            one complete checkpoint
+        model.safetensors     trainable weights (adapters only with LoRA)
+        optimizer.pt          optimizer state
+        state.pt              iteration, RNG states, trainer state (torch.save)
+        MANIFEST.json         sha256 and size of every file above (written last)
+
+A checkpoint is written into ``iter-XXXXXX.tmp-PID``, every file fsynced, then the directory is
+renamed into place and its parent fsynced, so a crash at any moment leaves either the previous
+checkpoints or a complete new one. :func:`latest_valid` verifies the manifest and falls back to
+the previous good checkpoint when the newest one is partial or corrupt, and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "CheckpointError",
+    "latest_valid",
+    "load_checkpoint",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
+
+MANIFEST = "MANIFEST.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, partial or corrupt."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    path: Path
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    state: dict[str, Any]
+    skipped: tuple[str, ...]
+    """Newer checkpoints that were found invalid and skipped (with the reason)."""
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: str | Path,
+    iteration: int,
+    weights: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
+    state: dict[str, Any],
+    *,
+    keep: int = 3,
+) -> Path:
+    """Write checkpoint ``iteration`` under ``root`` atomically; keep the newest ``keep``.
+
+    ``state`` may hold anything ``torch.save`` can store (RNG states included). On any error
+    (a full disk, say) the partial directory is removed and the previous checkpoints stay.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"iter-{iteration:06d}"
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
+                  str(tmp / "model.safetensors"))  # fmt: skip
+        torch.save(optimizer, tmp / "optimizer.pt")
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        (tmp / "state.pt").write_bytes(buf.getvalue())
+        files = ["model.safetensors", "optimizer.pt", "state.pt"]
+        for name in files:
+            _fsync_file(tmp / name)
+        manifest = {
+            "iteration": iteration,
+            "files": {
+                n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in files
+            },  # fmt: skip
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync_file(tmp / MANIFEST)
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in sorted(p for p in root.glob("iter-*") if ".tmp" not in p.name)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def verify(path: str | Path) -> None:
+    """Raise :class:`CheckpointError` naming the problem unless ``path`` is complete and intact."""
+    path = Path(path)
+    man = path / MANIFEST
+    if not man.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST} (a partial checkpoint)")
+    try:
+        manifest = json.loads(man.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: {MANIFEST} is corrupt ({e})") from None
+    for name, meta in manifest.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"{path}: {name} does not match its checksum (corrupt)")
+
+
+def latest_valid(root: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint under ``root`` and the reasons newer ones were skipped."""
+    root = Path(root)
+    skipped: list[str] = []
+    if not root.is_dir():
+        return None, skipped
+    for cand in sorted(root.glob("iter-*"), reverse=True):
+        if ".tmp" in cand.name:
+            skipped.append(f"{cand.name}: an unfinished write (ignored)")
+            continue
+        try:
+            verify(cand)
+        except CheckpointError as e:
+            skipped.append(str(e))
+            continue
+        return cand, skipped
+    return None, skipped
+
+
+def load_checkpoint(path: str | Path) -> Loaded:
+    """Load a checkpoint directory (verified), or the newest valid one under a ``checkpoints``
+    root."""
+    path = Path(path)
+    skipped: list[str] = []
+    if not (path / MANIFEST).exists() and not path.name.startswith("iter-"):
+        found, skipped = latest_valid(path)
+        if found is None:
+            detail = "; ".join(skipped) or "none written yet"
+            raise CheckpointError(f"no valid checkpoint under {path} ({detail})")
+        path = found
+    verify(path)
+    weights = load_file(str(path / "model.safetensors"))
+    optimizer = torch.load(path / "optimizer.pt", weights_only=False)
+    state = torch.load(path / "state.pt", weights_only=False)
+    return Loaded(path, weights, optimizer, state, tuple(skipped))
