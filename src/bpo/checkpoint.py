@@ -128,7 +128,7 @@ def save_checkpoint(
             "iteration": iteration,
             "files": {
                 n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in files
-            },  # fmt: skip
+            },
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_file(tmp / MANIFEST)
