@@ -35,16 +35,29 @@ __all__ = ["ENTROPY_MODES", "Prompter", "RolloutConfig", "RolloutEngine"]
 ENTROPY_MODES = ("mean", "first")
 
 
+class PromptState(Protocol):
+    ids: tuple[int, ...]
+    """The whole context for the next action."""
+    new_ids: tuple[int, ...]
+    """Tokens appended after the action (all of ``ids`` after a start or a reset)."""
+    reset: bool
+
+
 class Prompter(Protocol):
-    """Builds the policy's context at the token level, append-only (see ``bpo.policy.prompts``)."""
+    """Builds the policy's context at the token level, append-only
+    (:class:`bpo.policy.prompts.PromptBuilder`)."""
 
     def start(
         self, instruction: str, observation: str, admissible: Sequence[str] | None
-    ) -> list[int]: ...
+    ) -> PromptState: ...
 
     def extend(
-        self, action_ids: Sequence[int], observation: str, admissible: Sequence[str] | None
-    ) -> list[int]: ...
+        self,
+        state: PromptState,
+        action_ids: Sequence[int],
+        observation: str,
+        admissible: Sequence[str] | None,
+    ) -> PromptState: ...
 
 
 class SamplerPolicy(Protocol):
@@ -106,6 +119,8 @@ class _TreeRun:
     branches: int = 0
     started: float = field(default_factory=time.perf_counter)
     backbone: list[tuple[BranchPoint, Snapshot]] = field(default_factory=list)
+    prompts: dict[int, PromptState] = field(default_factory=dict)
+    """The prompt state at each non-terminal node (the context its actions were sampled from)."""
 
 
 class RolloutEngine:
@@ -169,8 +184,9 @@ class RolloutEngine:
         obs = sandbox.reset(task, seed)
         run = _TreeRun(Tree(task, seed), sandbox)
         run.compute.sandbox_seconds += time.perf_counter() - t0
-        ids = self.prompter.start(obs.instruction, obs.text, obs.admissible)
-        run.tree.add_root(ids, obs.text, sandbox.fingerprint())
+        state = self.prompter.start(obs.instruction, obs.text, obs.admissible)
+        run.tree.add_root(state.ids, obs.text, sandbox.fingerprint())
+        run.prompts[0] = state
         width = self.config.root_width
         if width >= 2:
             run.tree.nodes[0].branch_k = width
@@ -182,7 +198,7 @@ class RolloutEngine:
 
     def _turn(self, runs: list[_TreeRun]) -> None:
         """1. batch the policy over every tree's cursor; 2. branch decision; 3. step sandboxes."""
-        contexts = [r.tree.context(r.cursor.node) for r in runs]  # type: ignore[union-attr]
+        contexts = [list(r.prompts[r.cursor.node].ids) for r in runs]  # type: ignore[union-attr]
         t0 = time.perf_counter()
         samples = self.policy.sample(contexts, 1, self.sampling)
         dt = (time.perf_counter() - t0) / len(runs)

