@@ -73,17 +73,32 @@ class Snapshot:
     """The action prefix since reset: enough to rebuild the state by replay."""
     fingerprint: str
     nbytes: int = 0
+    """Bytes the snapshot held when taken (0 where unknown then, e.g. copy-on-write forks;
+    :meth:`Sandbox.stats` reports the live total)."""
+    trail: tuple[str, ...] = ()
+    """A short digest of each step's outcome since reset, so that a replay names the step
+    where it diverged (see ``bpo.sandbox.snapshots.replay``)."""
 
 
 @dataclass(frozen=True)
 class SnapshotStats:
+    """Counters of one sandbox's snapshots since it was made."""
+
     live: int
     """Snapshots taken and not yet released (must return to 0 after every tree)."""
     live_bytes: int
+    """Memory the live snapshots hold now (fork: their private pages, measured)."""
     taken: int
     restored: int
     snapshot_seconds: float
+    """Total wall time spent in ``snapshot()``."""
     restore_seconds: float
+    """Total wall time spent in ``restore()``."""
+    evicted: int = 0
+    """Snapshots dropped to respect a memory budget (they still restore, by replay)."""
+    replayed: int = 0
+    """Restores served by replaying the action prefix (replay backend, evicted snapshots,
+    a pool actor that died)."""
 
 
 @runtime_checkable
@@ -109,9 +124,14 @@ class Engine(Protocol):
 class NativeState(Protocol):
     """Optional: an engine that can export and import its own state (the *native* backend)."""
 
-    def get_state(self) -> Any: ...
+    def get_state(self) -> Any:
+        """The full state as a value that later steps do not mutate (copy, don't alias)."""
+        ...
 
-    def set_state(self, state: Any) -> None: ...
+    def set_state(self, state: Any) -> None:
+        """Return to ``state``; may be called many times with one state, so do not keep
+        references into it that later steps would mutate."""
+        ...
 
 
 @runtime_checkable
@@ -152,7 +172,8 @@ class EnvSpec:
 
     name: str
     make: Callable[..., Sandbox]
-    """``make(**options) -> Sandbox``; options come from the sandbox config."""
+    """``make(backend="auto", **options) -> Sandbox``; options come from the sandbox config.
+    Usually ``lambda backend="auto", **o: make_sandbox(lambda: MyEngine(**o), backend)``."""
     tasks: Callable[..., Sequence[str]]
     """``tasks(split, **options) -> task names``; split is "train", "valid" or "test"."""
     description: str = ""
