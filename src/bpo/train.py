@@ -92,8 +92,13 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
         s = cfg.sandbox
-        self.train_tasks = list(list_tasks(s.name, s.train_split, n=s.num_train_tasks, **s.options))
-        self.eval_tasks = list(list_tasks(s.name, s.eval_split, n=s.num_eval_tasks, **s.options))
+        # ``n`` lets generating environments make only what is needed; others ignore it
+        self.train_tasks = list(
+            list_tasks(s.name, s.train_split, n=s.num_train_tasks, **s.options)
+        )[: s.num_train_tasks]
+        self.eval_tasks = list(list_tasks(s.name, s.eval_split, n=s.num_eval_tasks, **s.options))[
+            : s.num_eval_tasks
+        ]
         if not self.train_tasks or not self.eval_tasks:
             raise ConfigError(
                 f"sandbox {s.name!r} listed no tasks for {s.train_split}/{s.eval_split}"

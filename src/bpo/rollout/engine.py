@@ -238,11 +238,20 @@ class RolloutEngine:
             float(res.reward), bool(res.terminated), bool(truncated), cfg.policy_version,
         )  # fmt: skip
         done = turn.terminated or turn.truncated
-        obs_ids = () if done else self.prompter.extend(s.action_ids, res.observation.text,
-                                                      res.observation.admissible)  # fmt: skip
+        state = None
+        if not done:
+            state = self.prompter.extend(
+                run.prompts[cur.node],
+                s.action_ids,
+                res.observation.text,
+                res.observation.admissible,
+            )
         child = tree.add_child(
-            cur.node, turn, obs_ids, res.observation.text, run.sandbox.fingerprint()
-        )
+            cur.node, turn, state.new_ids if state else (), res.observation.text,
+            run.sandbox.fingerprint(), context_reset=bool(state and state.reset),
+        )  # fmt: skip
+        if state is not None:
+            run.prompts[child] = state
         if done:
             run.compute.leaves += 1
             run.cursor = None
@@ -304,6 +313,7 @@ class RolloutEngine:
 
     def _finish(self, run: _TreeRun) -> Tree:
         tree = run.tree
+        run.prompts.clear()
         run.compute.wall_seconds = time.perf_counter() - run.started
         tree.meta["compute"] = run.compute
         stats = run.sandbox.stats()
