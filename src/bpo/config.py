@@ -142,6 +142,8 @@ class RunConfig:
     name: str = ""
     """Run directory name (default: method and time)."""
     checkpoint_every: int = 1
+    log_trees: int = 2
+    """Sampled trees per iteration saved (with advantages) to trees.jsonl for ``bpo view``."""
     concurrency: int = 8
     max_steps: int = 20
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import yaml
 
-from bpo import agent
+from bpo import agent, estimators
 from bpo.branching import BranchRule, make_rule
 from bpo.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from bpo.config import Config, ConfigError, load_config, to_dict
@@ -257,6 +257,7 @@ class Trainer:
         if cfg.eval.every and self.iteration % cfg.eval.every == 0:
             m.update(self.evaluate().as_metrics())
         row = self.metrics.log(self.iteration, m)
+        self._log_trees(trees[: cfg.run.log_trees])
         if self.iteration % cfg.run.checkpoint_every == 0 or self.iteration == cfg.run.iterations:
             self.save()
         self.log(
@@ -265,6 +266,18 @@ class Trainer:
             f"tokens {row['compute/generated_tokens']:.0f} grad {row['learner/grad_norm']:.3f} "
             f"{row['time/iteration_s']:.1f}s"
         )
+
+    def _log_trees(self, trees: list[Tree]) -> None:
+        est = self.cfg.estimator
+        with open(self.run_dir / "trees.jsonl", "a") as f:
+            for tree in trees:
+                fps = tree.fingerprints() if est.name == "gigpo" else None
+                res = estimators.compute(
+                    est.name, tree.parents(), tree.rewards(), fingerprints=fps, **est.options
+                )
+                d = tree.to_dict(advantages=res.advantage.tolist())
+                d["iteration"] = self.iteration
+                f.write(json.dumps(d) + "\n")
 
 
 def main(argv: list[str]) -> int:

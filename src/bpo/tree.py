@@ -153,6 +153,45 @@ class Tree:
             ids.extend(node.obs_ids)
         return ids
 
+    def to_dict(self, advantages: Sequence[float] | None = None) -> dict[str, Any]:
+        """JSON-safe form (for ``trees.jsonl`` and the viewer); token ids included."""
+        nodes = []
+        for i, n in enumerate(self.nodes):
+            d: dict[str, Any] = {
+                "parent": n.parent, "observation": n.observation, "fingerprint": n.fingerprint,
+                "obs_ids": list(n.obs_ids), "context_reset": n.context_reset,
+                "entropy": n.entropy, "branch_k": n.branch_k, "step": n.step,
+            }  # fmt: skip
+            if n.turn is not None:
+                t = n.turn
+                d["turn"] = {
+                    "action_ids": list(t.action_ids), "logprobs": list(t.logprobs),
+                    "entropies": list(t.entropies), "action_text": t.action_text,
+                    "reward": t.reward, "terminated": t.terminated, "truncated": t.truncated,
+                    "policy_version": t.policy_version,
+                }  # fmt: skip
+            if advantages is not None:
+                d["advantage"] = float(advantages[i])
+            nodes.append(d)
+        return {"task": self.task, "seed": self.seed, "nodes": nodes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Tree:
+        tree = cls(data["task"], int(data.get("seed", 0)))
+        for d in data["nodes"]:
+            turn = Turn(**{**d["turn"], "action_ids": tuple(d["turn"]["action_ids"]),
+                           "logprobs": tuple(d["turn"]["logprobs"]),
+                           "entropies": tuple(d["turn"]["entropies"])}) if "turn" in d else None  # fmt: skip
+            node = Node(d["parent"], turn, tuple(d["obs_ids"]), d.get("observation", ""),
+                        d.get("fingerprint"), bool(d.get("context_reset", False)))  # fmt: skip
+            node.entropy = d.get("entropy")
+            node.branch_k = int(d.get("branch_k", 1))
+            node.step = int(d.get("step", 0))
+            if node.parent >= 0:
+                tree.nodes[node.parent].children.append(len(tree.nodes))
+            tree.nodes.append(node)
+        return tree
+
     def returns(self) -> np.ndarray:
         """Return of each leaf's path from the root, indexed like :meth:`leaves`."""
         r = self.rewards()

@@ -76,3 +76,12 @@ def test_terminal_nodes_cannot_grow_and_turn_lengths_checked():
         t.add_child(b, turn([1]))
     with pytest.raises(ValueError, match="must be equal"):
         Turn((1, 2), (0.0,), (0.0, 0.0), "x", 0.0)
+
+
+def test_dict_round_trip():
+    t, _ = build()
+    d = t.to_dict(advantages=[0.0] * len(t))
+    back = Tree.from_dict(d)
+    assert back.to_dict(advantages=[0.0] * len(t)) == d
+    assert back.context(3) == t.context(3)
+    assert [n.children for n in back.nodes] == [n.children for n in t.nodes]
