@@ -60,10 +60,14 @@ class Interrupted(Exception):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False) -> None:
+    def __init__(
+        self, cfg: Config, run_dir: str | Path, *, resume: bool = False, write: bool = True
+    ) -> None:
+        """``write=False`` opens an existing run read-only (for ``bpo eval``)."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.resume = resume
+        self.write = write
         self.iteration = 0
         self.log: Callable[[str], None] = print
 
@@ -87,7 +91,7 @@ class Trainer:
                     f"(differs in {', '.join(diff[:8])}); resume without overrides or start a "
                     "new run directory"
                 )
-        else:
+        elif self.write:
             cfg_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
         torch.manual_seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
@@ -104,7 +108,7 @@ class Trainer:
                 f"sandbox {s.name!r} listed no tasks for {s.train_split}/{s.eval_split}"
             )
         self.env_factory = lambda: make_env(s.name, s.backend, **s.options)
-        resuming = self.resume and (self.run_dir / "checkpoints").exists()
+        resuming = (self.resume or not self.write) and (self.run_dir / "checkpoints").exists()
         self.bundle = agent.build(
             cfg, self.run_dir, self.env_factory, self.train_tasks, need_demos=not resuming
         )
@@ -117,7 +121,8 @@ class Trainer:
             Budget(cfg.budget.unit, cfg.budget.amount, cfg.budget.truncate),
         )
         self.task_rng = np.random.default_rng(cfg.run.seed)
-        self.metrics = MetricsLogger(self.run_dir)
+        if self.write:
+            self.metrics = MetricsLogger(self.run_dir)
 
     def _make_rule(self) -> BranchRule:
         t = self.cfg.tree
