@@ -95,7 +95,8 @@ class TreeConfig:
 @dataclass(frozen=True)
 class EstimatorConfig:
     name: str = "bpo"
-    """Advantage estimator (bpo.estimators): bpo, rloo, grpo, gigpo, ..."""
+    """Advantage estimator (bpo.estimators): bpo, rloo, grpo, gigpo, ..., or ppo (GAE over
+    turns with a value head; its gamma and lambda are learner options)."""
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -310,10 +311,10 @@ def _validate_names(cfg: Config) -> None:
     from bpo.branching import BRANCH_RULES
     from bpo.estimators import ESTIMATORS
 
-    if cfg.estimator.name not in ESTIMATORS:
+    valid = [*ESTIMATORS.names(), "ppo"]  # ppo: GAE with a value head (bpo.learner)
+    if cfg.estimator.name not in valid:
         raise ConfigError(
-            f"estimator.name={cfg.estimator.name!r} is not valid; valid: "
-            f"{', '.join(ESTIMATORS.names())}"
+            f"estimator.name={cfg.estimator.name!r} is not valid; valid: {', '.join(sorted(valid))}"
         )
     if cfg.tree.rule not in BRANCH_RULES:
         raise ConfigError(

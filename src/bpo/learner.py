@@ -59,6 +59,12 @@ class LearnerConfig:
     """Sampling temperature: log-probs are computed from logits / temperature."""
     max_bad_steps: int = 5
     """Non-finite updates in a row before the run stops with an error."""
+    value_coef: float = 0.5
+    """PPO only: weight of the value head's squared error in the loss."""
+    gamma: float = 1.0
+    """PPO only: discount over turns for GAE."""
+    gae_lambda: float = 0.95
+    """PPO only: GAE's lambda (Schulman et al. 2016)."""
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
@@ -72,12 +78,18 @@ class LearnerConfig:
 
 
 def token_logprobs(
-    model: torch.nn.Module, packed: Packed, rows: slice | None = None, temperature: float = 1.0
+    model: torch.nn.Module,
+    packed: Packed,
+    rows: slice | None = None,
+    temperature: float = 1.0,
+    hidden: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     """Log-probs and entropies of the action tokens in ``rows`` of a packed batch.
 
     Returns ``(logp [A], entropy [A], index [A])`` where ``index`` selects those tokens in
-    ``packed.actions`` (entries of other rows are not computed).
+    ``packed.actions`` (entries of other rows are not computed). When ``hidden`` is a list, the
+    last layer's hidden states at each selected token's predictor position are appended to it
+    (``[A, H]``: the state a value head reads).
     """
     rows = rows or slice(0, packed.num_rows)
     r0 = rows.start or 0
@@ -88,9 +100,13 @@ def token_logprobs(
         position_ids=packed.position_ids[rows],
         attention_mask=packed.attention_mask[rows],
         use_cache=False,
+        output_hidden_states=hidden is not None,
     )
     logits = out.logits  # [r, L, V]
-    picked = logits[torch.from_numpy(a.row[sel] - r0), torch.from_numpy(a.pred[sel])]  # [A, V]
+    at = (torch.from_numpy(a.row[sel] - r0), torch.from_numpy(a.pred[sel]))
+    picked = logits[at]  # [A, V]
+    if hidden is not None:
+        hidden.append(out.hidden_states[-1][at])  # [A, H]
     logprobs_all = torch.log_softmax(picked.float() / temperature, dim=-1)  # [A, V]
     tok = torch.from_numpy(a.token[sel])
     logp = logprobs_all.gather(-1, tok[:, None]).squeeze(-1)  # [A]
@@ -111,9 +127,19 @@ class Learner:
         config: LearnerConfig,
         ref_model: torch.nn.Module | None = None,
         pad_id: int = 0,
+        critic: bool = False,
     ) -> None:
+        """``critic=True`` adds a value head (a zero-initialised linear layer on the last hidden
+        state at each turn's context end, registered on the model as ``value_head`` so that it is
+        checkpointed with it) for PPO."""
         if config.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model (ref_model)")
+        if critic and not hasattr(model, "value_head"):
+            head = torch.nn.Linear(model.config.hidden_size, 1)
+            torch.nn.init.zeros_(head.weight)
+            torch.nn.init.zeros_(head.bias)
+            model.add_module("value_head", head.to(next(model.parameters()).dtype))
+        self.critic = critic
         self.model = model
         self.ref_model = ref_model
         self.config = config
@@ -141,14 +167,48 @@ class Learner:
             )
         return out
 
+    def _gae_terms(
+        self, trees: Sequence[Tree], packed: Packed
+    ) -> tuple[list[estimators.EdgeAdvantages], list[np.ndarray]]:
+        """PPO: the value head's V(s) at every acting state (no grad), then GAE over turns.
+        Returns (advantage and tree weight per edge, return targets per node) per tree."""
+        values = [np.zeros(len(t)) for t in trees]
+        a = packed.actions
+        with torch.no_grad():
+            for r in range(packed.num_rows):
+                hid: list[torch.Tensor] = []
+                _, _, sel = token_logprobs(self.model, packed, slice(r, r + 1), hidden=hid)
+                v = self.model.value_head(hid[0]).squeeze(-1).float().numpy()  # [A]
+                for k, s_ in enumerate(sel):
+                    t, node = packed.edges[a.edge[s_]]
+                    values[t][trees[t].nodes[node].parent] = v[k]  # same for every token of e
+        terms, targets = [], []
+        for t, tree in enumerate(trees):
+            adv, ret = estimators.gae(
+                tree.parents(), tree.rewards(), values[t],
+                gamma=self.config.gamma, lam=self.config.gae_lambda,
+            )  # fmt: skip
+            w = estimators.compute("bpo", tree.parents(), tree.rewards()).weight
+            terms.append(estimators.EdgeAdvantages(adv, w))
+            targets.append(ret)
+        return terms, targets
+
     def _token_terms(
-        self, packed: Packed, trees: Sequence[Tree], terms: list[estimators.EdgeAdvantages]
+        self,
+        packed: Packed,
+        trees: Sequence[Tree],
+        terms: list[estimators.EdgeAdvantages],
+        targets: list[np.ndarray] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Per action token: advantage, loss weight (normalised for the aggregation), old logp."""
+        """Per action token: advantage, loss weight (normalised for the aggregation), old logp;
+        with value targets, also the return target and value-loss weight of each edge's first
+        token (the token whose predictor position is the acting state)."""
         a = packed.actions
         adv = np.empty(len(a.token))
         w = np.empty(len(a.token))
         old = np.empty(len(a.token))
+        ret = np.zeros(len(a.token))
+        first = np.zeros(len(a.token))
         n_tok = np.zeros(len(packed.edges))
         np.add.at(n_tok, a.edge, 1)
         offsets: dict[int, int] = {}
@@ -159,6 +219,9 @@ class Learner:
             adv[k] = terms[t].advantage[node]
             w[k] = terms[t].weight[node]
             old[k] = trees[t].nodes[node].turn.logprobs[j]  # type: ignore[union-attr]
+            if targets is not None and j == 0:
+                ret[k] = targets[t][node]
+                first[k] = 1.0
         mode = self.config.aggregation
         if mode == "tree":
             w = w / len(trees)
@@ -171,6 +234,8 @@ class Learner:
             "adv": torch.tensor(adv, dtype=f),
             "w": torch.tensor(w, dtype=f),
             "old": torch.tensor(old, dtype=f),
+            "ret": torch.tensor(ret, dtype=f),
+            "vw": torch.tensor(first / max(first.sum(), 1.0), dtype=f),
         }
 
     # -- phases 2-4 ----------------------------------------------------------------------------
@@ -188,13 +253,28 @@ class Learner:
         """One iteration: ``epochs * minibatches`` optimizer steps on these trees."""
         cfg = self.config
         t_start = time.perf_counter()
-        terms = self._edge_terms(trees, estimator, estimator_options)
+        ppo = estimator == "ppo"
+        if ppo and not self.critic:
+            raise ValueError(
+                "estimator 'ppo' needs a value head: build the Learner with critic=True"
+            )
+        if ppo and estimator_options:
+            raise TypeError(f"estimator 'ppo' takes no options (got {sorted(estimator_options)}); "
+                            "set learner.gamma / learner.gae_lambda")  # fmt: skip
         chunks = [list(c) for c in np.array_split(np.arange(len(trees)), cfg.minibatches) if len(c)]
+        terms: list[estimators.EdgeAdvantages] = [None] * len(trees)  # type: ignore[list-item]
         batches = []
         for idx in chunks:
             sub = [trees[i] for i in idx]
             packed = self.pack(sub)
-            batches.append((packed, self._token_terms(packed, sub, [terms[i] for i in idx])))
+            targets = None
+            if ppo:
+                sub_terms, targets = self._gae_terms(sub, packed)
+            else:
+                sub_terms = self._edge_terms(sub, estimator, estimator_options)
+            for i, term in zip(idx, sub_terms, strict=True):
+                terms[i] = term
+            batches.append((packed, self._token_terms(packed, sub, sub_terms, targets)))
         logs: dict[str, list[float]] = {}
         self.model.train()
         for _ in range(cfg.epochs):
@@ -221,11 +301,14 @@ class Learner:
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss/total": 0.0, "loss/pg": 0.0, "loss/kl": 0.0, "loss/entropy": 0.0}
+        if self.critic:
+            sums["loss/value"] = 0.0
         clip_n = ratio_s = kl_old = 0.0
         n_tok = max(len(packed.actions.token), 1)
         for r in range(packed.num_rows):
             rows = slice(r, r + 1)
-            logp, ent, sel = token_logprobs(self.model, packed, rows, cfg.temperature)
+            hid: list[torch.Tensor] | None = [] if self.critic else None
+            logp, ent, sel = token_logprobs(self.model, packed, rows, cfg.temperature, hid)
             if len(sel) == 0:
                 continue
             idx = torch.from_numpy(sel)
@@ -239,8 +322,14 @@ class Learner:
                 kl_coef=cfg.kl_coef, entropy=ent, entropy_coef=cfg.entropy_coef,
                 aggregation="tree", num_trees=1,
             )  # fmt: skip
-            out.loss.backward()
-            sums["loss/total"] += out.loss.item()
+            loss = out.loss
+            if hid is not None:
+                v = self.model.value_head(hid[0]).squeeze(-1).float()  # [A]
+                vloss = 0.5 * (tt["vw"][idx] * (v - tt["ret"][idx]) ** 2).sum()
+                loss = loss + cfg.value_coef * vloss
+                sums["loss/value"] += vloss.item()
+            loss.backward()
+            sums["loss/total"] += loss.item()
             sums["loss/pg"] += out.pg_loss.item()
             sums["loss/kl"] += out.kl.item()
             sums["loss/entropy"] += out.entropy.item()

@@ -112,7 +112,10 @@ class Trainer:
         self.bundle = agent.build(
             cfg, self.run_dir, self.env_factory, self.train_tasks, need_demos=not resuming
         )
-        self.learner = Learner(self.bundle.model, cfg.learner, pad_id=self.bundle.pad_id)
+        self.learner = Learner(
+            self.bundle.model, cfg.learner, pad_id=self.bundle.pad_id,
+            critic=cfg.estimator.name == "ppo",
+        )  # fmt: skip
         self.rule = self._make_rule()
         self.engine = self._engine(
             self.rule,
@@ -276,11 +279,14 @@ class Trainer:
         est = self.cfg.estimator
         with open(self.run_dir / "trees.jsonl", "a") as f:
             for tree in trees:
-                fps = tree.fingerprints() if est.name == "gigpo" else None
-                res = estimators.compute(
-                    est.name, tree.parents(), tree.rewards(), fingerprints=fps, **est.options
-                )
-                d = tree.to_dict(advantages=res.advantage.tolist())
+                adv = None
+                if est.name != "ppo":  # PPO's advantages depend on the critic of the moment
+                    fps = tree.fingerprints() if est.name == "gigpo" else None
+                    res = estimators.compute(
+                        est.name, tree.parents(), tree.rewards(), fingerprints=fps, **est.options
+                    )
+                    adv = res.advantage.tolist()
+                d = tree.to_dict(advantages=adv)
                 d["iteration"] = self.iteration
                 f.write(json.dumps(d) + "\n")
 

@@ -24,7 +24,7 @@ def test_defaults_and_overrides(tmp_path):
     [
         (["tree.kk=3"], r"unknown config key 'tree.kk'; valid keys here: rule, k, root_width"),
         (["tree.k=three"], "tree.k must be an integer"),
-        (["estimator=ppo9"], "valid: bpo, gigpo, grpo, rloo"),
+        (["estimator=ppo9"], "valid: bpo, .*gigpo, grpo, ppo, rloo"),
         (["tree.rule=entropy"], "valid: entropy_quantile"),
         (["learner.aggregation=mean"], "valid: tree, token_mean, sequence_mean"),
         (["budget.unit=flops"], "valid: tokens, steps, leaves"),

@@ -157,3 +157,37 @@ def test_nonfinite_update_is_skipped():
     assert m["learner/skipped_nonfinite"] == 1.0 and learner.updates == 0
     for n, p in model.named_parameters():
         assert torch.equal(before[n], p.detach())
+
+
+def test_ppo_value_head_learns_returns():
+    rng = np.random.default_rng(7)
+    trees = [random_tree(rng, k=3, depth=2) for _ in range(2)]
+    model = tiny()
+    learner = Learner(model, LearnerConfig(lr=3e-2, epochs=1), critic=True)
+    assert "value_head.weight" in dict(model.named_parameters())
+    first = learner.update(trees, "ppo")
+    for _ in range(30):
+        last = learner.update(trees, "ppo")
+    assert last["loss/value"] < 0.5 * first["loss/value"]
+    # with the head's values, advantages are exactly GAE of the tree
+    from bpo import estimators
+
+    packed = learner.pack(trees)
+    terms, _ = learner._gae_terms(trees, packed)
+    hid = []
+    with torch.no_grad():
+        _, _, sel = token_logprobs(model, packed, slice(0, packed.num_rows), hidden=hid)
+        v = model.value_head(hid[0]).squeeze(-1)
+    values = np.zeros(len(trees[0]))
+    for k, s in enumerate(sel):
+        t, node = packed.edges[packed.actions.edge[s]]
+        if t == 0:
+            values[trees[0].nodes[node].parent] = v[k].item()
+    adv, _ = estimators.gae(trees[0].parents(), trees[0].rewards(), values, gamma=1.0, lam=0.95)
+    np.testing.assert_allclose(terms[0].advantage, adv, atol=1e-5)
+
+
+def test_ppo_needs_a_critic():
+    model = tiny()
+    with pytest.raises(ValueError, match="critic=True"):
+        Learner(model, LearnerConfig()).update([random_tree(np.random.default_rng(0))], "ppo")
