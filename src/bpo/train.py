@@ -33,6 +33,7 @@ from bpo.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_
 from bpo.config import Config, ConfigError, load_config, to_dict
 from bpo.learner import Learner
 from bpo.metrics import MetricsLogger, tree_metrics
+from bpo.report import write_run_report
 from bpo.rollout import Budget, RolloutConfig, RolloutEngine
 from bpo.sandbox import list_tasks, make_env
 from bpo.tree import Tree
@@ -236,6 +237,7 @@ class Trainer:
             "interrupted": stop["flag"],
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.log(f"[report] {write_run_report(self.run_dir)}")
         self.metrics.close()
         self.engine.close()
         return summary

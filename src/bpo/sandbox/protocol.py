@@ -135,6 +135,15 @@ class NativeState(Protocol):
 
 
 @runtime_checkable
+class FastReplay(Protocol):
+    """Optional: reset to ``(task, seed)`` and apply ``actions`` in one call, building only the
+    final observation (ScienceWorld, TextWorld-Express). The replay backend then checks the
+    final observation and fingerprint, and falls back to a step-by-step replay on a mismatch."""
+
+    def replay(self, task: str, seed: int, actions: Sequence[str]) -> Observation: ...
+
+
+@runtime_checkable
 class Sandbox(Protocol):
     """What rollout engines use: an engine plus snapshots."""
 

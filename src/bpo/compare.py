@@ -1,0 +1,229 @@
+"""``bpo compare``: BPO against GRPO, RLOO, GiGPO and PPO in one harness, at matched compute.
+
+Every method gets the same tasks, the same warm-started model (one supervised warm start per
+seed, shared by all methods), the same optimizer and number of policy updates per iteration,
+the same loss aggregation, and the same per-task budget in the chosen unit (generated tokens
+by default): the budget decides how many episodes a baseline's group gets and how far a BPO
+tree grows. Results over seeds go to ``summary.json`` and ``report.md`` with plots and 95%
+confidence intervals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+from bpo.config import Config, ConfigError, load_config
+from bpo.metrics import read_metrics
+
+__all__ = ["METHODS", "main", "summarize"]
+
+# method -> overrides. Baselines are independent groups (root with many children, no other
+# branching) whose size the budget decides; BPO grows a tree under the same budget.
+METHODS: dict[str, list[str]] = {
+    "bpo": ["estimator=bpo", "tree.rule=entropy_quantile", "tree.root_width=2"],
+    "grpo": ["estimator=grpo", "tree.rule=none", "tree.root_width=64"],
+    "rloo": ["estimator=rloo", "tree.rule=none", "tree.root_width=64"],
+    "gigpo": ["estimator=gigpo", "tree.rule=none", "tree.root_width=64"],
+    "ppo": ["estimator=ppo", "tree.rule=none", "tree.root_width=64"],
+    # other branch rules, for the ablation (--methods bpo,bpo-random,...)
+    "bpo-random": ["estimator=bpo", "tree.rule=random", "tree.root_width=2"],
+    "bpo-every": ["estimator=bpo", "tree.rule=every", "tree.root_width=2"],
+    "bpo-tail": ["estimator=bpo", "tree.rule=tail", "tree.root_width=2"],
+    "bpo-topk": ["estimator=bpo", "tree.rule=topk_backbone", "tree.root_width=2"],
+}
+DEFAULT_METHODS = ("bpo", "grpo", "rloo", "gigpo", "ppo")
+QUICK = [
+    "run.iterations=2", "run.tasks_per_iteration=3", "sandbox.num_train_tasks=6",
+    "sandbox.num_eval_tasks=3", "sft.epochs=1", "budget.amount=150", "run.max_steps=6",
+    "run.log_trees=1",
+]  # fmt: skip
+
+
+def _ci95(x: Sequence[float]) -> tuple[float, float]:
+    """Mean and half-width of a t-based 95% confidence interval (0 for a single seed)."""
+    a = np.asarray(x, dtype=float)
+    if len(a) < 2:
+        return float(a.mean()) if len(a) else math.nan, 0.0
+    return float(a.mean()), float(
+        stats.t.ppf(0.975, len(a) - 1) * a.std(ddof=1) / math.sqrt(len(a))
+    )
+
+
+def _warm_start(cfg: Config, out: Path, seed: int) -> Path:
+    """One supervised warm start per seed; every method starts from the saved model."""
+    from bpo.train import Trainer
+
+    path = out / f"sft-seed{seed}" / "model"
+    if (path / "config.json").exists():
+        return path
+    trainer = Trainer(cfg, out / f"sft-seed{seed}")
+    trainer.setup()
+    if cfg.sft.episodes_per_task > 0:
+        trainer.log(f"[compare] warm start seed {seed}: {trainer.bundle.warm_start(cfg.sft, seed)}")
+    trainer.engine.close()
+    trainer.metrics.close()
+    path.mkdir(parents=True, exist_ok=True)
+    trainer.bundle.model.save_pretrained(path)
+    trainer.bundle.tokenizer.save_pretrained(path)
+    return path
+
+
+def _updates_to_reach(rows: list[dict[str, Any]], target: float, key: str) -> float:
+    """Policy updates at the first iteration whose (3-iteration moving average of) ``key``
+    reaches ``target``; inf if never."""
+    pts = [(r.get("learner/updates", i + 1), r[key]) for i, r in enumerate(rows) if key in r]
+    if not pts:
+        return math.inf
+    xs, ys = zip(*pts, strict=True)
+    smooth = [float(np.mean(ys[max(0, i - 2) : i + 1])) for i in range(len(ys))]
+    hit = [i for i, y in enumerate(smooth) if y >= target - 1e-12]
+    return float(xs[hit[0]]) if hit else math.inf
+
+
+def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int]) -> dict[str, Any]:
+    """Read every run under ``out`` and compute the comparison (also writes summary.json)."""
+    per: dict[str, Any] = {}
+    curves: dict[str, list[list[dict[str, Any]]]] = {}
+    for m in methods:
+        finals, befores, gvars, walls, tokens = [], [], [], [], []
+        curves[m] = []
+        for s in seeds:
+            run = out / m / f"seed{s}"
+            summ = json.loads((run / "summary.json").read_text())
+            rows = read_metrics(run)
+            curves[m].append(rows)
+            finals.append(summ["eval_after"]["success"])
+            if summ.get("eval_before"):
+                befores.append(summ["eval_before"]["success"])
+            g = [r["learner/grad_norm"] for r in rows if "learner/grad_norm" in r]
+            gvars.append(float(np.var(g)) if len(g) > 1 else 0.0)
+            walls.append(sum(r.get("time/iteration_s", 0.0) for r in rows))
+            tokens.append(sum(r.get("compute/generated_tokens", 0.0) for r in rows))
+        mean, hw = _ci95(finals)
+        per[m] = {
+            "final_success": {"mean": mean, "ci95": hw, "per_seed": finals},
+            "success_before": _ci95(befores)[0] if befores else None,
+            "grad_norm_var": {"mean": float(np.mean(gvars)), "per_seed": gvars},
+            "wall_seconds": float(np.mean(walls)),
+            "generated_tokens": float(np.mean(tokens)),
+        }
+    baselines = [m for m in methods if not m.startswith("bpo")]
+    ratios: dict[str, Any] = {}
+    if "bpo" in per and baselines:
+        best = max(baselines, key=lambda m: per[m]["final_success"]["mean"])
+        target = per[best]["final_success"]["mean"]
+        for m in methods:
+            ups = [_updates_to_reach(rows, target, "rollout/success") for rows in curves[m]]
+            per[m]["updates_to_best_baseline_success"] = float(np.median(ups))
+        b, o = per["bpo"], per[best]
+
+        def ratio(x: float, y: float) -> float | None:
+            return None if y == 0 or not math.isfinite(x) or not math.isfinite(y) else x / y
+
+        ratios = {
+            "best_baseline": best,
+            "success": ratio(b["final_success"]["mean"], o["final_success"]["mean"]),
+            "success_diff_points": 100 * (b["final_success"]["mean"] - o["final_success"]["mean"]),
+            "grad_norm_var": ratio(b["grad_norm_var"]["mean"], o["grad_norm_var"]["mean"]),
+            "updates_to_match": ratio(
+                b["updates_to_best_baseline_success"], o["updates_to_best_baseline_success"]
+            ),
+            "generated_tokens": ratio(b["generated_tokens"], o["generated_tokens"]),
+        }
+    summary = {"methods": per, "ratios": ratios, "seeds": list(seeds),
+               "curves": {m: [[{k: r[k] for k in r if k.split("/")[0] in
+                                ("rollout", "learner", "compute", "eval", "iteration")}
+                               for r in rows] for rows in runs] for m, runs in curves.items()}}  # fmt: skip
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    _write_report(out, summary, curves)
+    return summary
+
+
+def _write_report(out: Path, summary: dict[str, Any], curves: dict[str, Any]) -> None:
+    lines = ["# bpo compare", "", f"Seeds: {summary['seeds']}.", "",
+             "| method | held-out success (95% CI) | before RL | grad-norm var | "
+             "updates to best baseline | generated tokens | wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for m, r in summary["methods"].items():
+        fs = r["final_success"]
+        before = r["success_before"]
+        lines.append(
+            f"| {m} | {fs['mean']:.3f} ± {fs['ci95']:.3f} | "
+            f"{'' if before is None else f'{before:.3f}'} | {r['grad_norm_var']['mean']:.3g} | "
+            f"{r.get('updates_to_best_baseline_success', math.nan):.0f} | "
+            f"{r['generated_tokens']:.0f} | {r['wall_seconds']:.0f} |"
+        )
+    lines += ["", f"Ratios (BPO / best baseline): `{json.dumps(summary['ratios'])}`", ""]
+    try:
+        from bpo.report import plot_curves
+    except ImportError:  # the plotting module is optional for the summary itself
+        plot_curves = None
+    if plot_curves is not None:
+        for x in ("learner/updates", "compute/generated_tokens", "compute/sandbox_steps",
+                  "time/iteration_s"):  # fmt: skip
+            name = f"success_vs_{x.split('/')[-1]}.png"
+            plot_curves(curves, x, "rollout/success", out / name)
+            lines += [f"![success vs {x}]({name})", ""]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bpo compare", description=__doc__.split("\n")[0])
+    ap.add_argument("overrides", nargs="*", help="dotted overrides applied to every method")
+    ap.add_argument("--config", help="YAML config (default: the CPU demo config)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"comma-separated, from: {', '.join(METHODS)}")  # fmt: skip
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--unit", choices=("tokens", "steps", "leaves"), help="budget unit")
+    ap.add_argument("--quick", action="store_true", help="a reduced run for CI (minutes)")
+    ap.add_argument("--out", help="output directory (default: runs/compare-<time>)")
+    args = ap.parse_args(argv)
+    from bpo.train import Trainer, default_config_path
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        print(f"bpo compare: unknown methods {unknown}; valid: {', '.join(METHODS)}")
+        return 2
+    common = (QUICK if args.quick else []) + list(args.overrides)
+    if args.unit:
+        common.append(f"budget.unit={args.unit}")
+    out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    seeds = list(range(args.seeds))
+    t0 = time.perf_counter()
+    try:
+        for seed in seeds:
+            base = load_config(args.config or default_config_path(), [*common, f"run.seed={seed}"])
+            model = _warm_start(base, out, seed)
+            for m in methods:
+                run = out / m / f"seed{seed}"
+                if (run / "summary.json").exists():
+                    continue  # finished earlier (compare is resumable)
+                cfg = load_config(
+                    args.config or default_config_path(),
+                    [*common, *METHODS[m], f"run.seed={seed}", f"policy.model={model}",
+                     "sft.episodes_per_task=0"],
+                )  # fmt: skip
+                print(f"[compare] {m} seed {seed} -> {run}")
+                Trainer(cfg, run, resume=(run / "checkpoints").exists()).run()
+    except ConfigError as e:
+        print(f"bpo compare: {e}")
+        return 2
+    summary = summarize(out, methods, seeds)
+    for m, r in summary["methods"].items():
+        fs = r["final_success"]
+        print(f"{m:10s} held-out success {fs['mean']:.3f} ± {fs['ci95']:.3f}")
+    print(f"ratios: {summary['ratios']}")
+    print(
+        f"wrote {out / 'summary.json'} and {out / 'report.md'} in {time.perf_counter() - t0:.0f}s"
+    )
+    return 0
