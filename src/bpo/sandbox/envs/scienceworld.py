@@ -311,6 +311,8 @@ def make(*, backend: str = "auto", **options: Any) -> Sandbox:
     from bpo.sandbox import make_sandbox
 
     _check_backend(backend)
+    for key in ("task_names", "per_task"):  # task-listing options (see tasks())
+        options.pop(key, None)
     return make_sandbox(functools.partial(ScienceWorldEngine, **options), backend=backend)
 
 

@@ -55,15 +55,17 @@ _SPLIT_TO_FOLD = {"train": "train", "valid": "dev", "dev": "dev", "test": "test"
 
 def tasks(
     split: str, *, games: Sequence[str] | None = None, per_game: int | None = None,
-    **_engine_options: Any,
+    params: dict[str, int] | None = None, **_engine_options: Any,
 ) -> list[str]:
     """Task names ``"<game>/seed=<n>"`` with the official seeds of ``split`` ("train",
     "valid"/"dev", "test"), for all eight games unless ``games`` picks some; ``per_game``
-    keeps the first n seeds of each."""
+    keeps the first n seeds of each; ``params`` appends generator parameters to every name
+    (e.g. ``{"numLocations": 3}``)."""
     if split not in _SPLIT_TO_FOLD:
         raise ValueError(f"unknown split {split!r}; valid splits: train, valid, test")
     seeds = FOLD_SEEDS[_SPLIT_TO_FOLD[split]][:per_game]
-    return [f"{_game(g)}/seed={s}" for g in (games or GAMES) for s in seeds]
+    suffix = "".join(f"/{k}={int(v)}" for k, v in (params or {}).items())
+    return [f"{_game(g)}/seed={s}{suffix}" for g in (games or GAMES) for s in seeds]
 
 
 @dataclass(frozen=True)
@@ -274,6 +276,8 @@ def make(*, backend: str = "auto", **options: Any) -> Sandbox:
     from bpo.sandbox import make_sandbox
 
     _check_backend(backend)
+    for key in ("games", "per_game", "params"):  # task-listing options (see tasks())
+        options.pop(key, None)
     return make_sandbox(functools.partial(TwxEngine, **options), backend=backend)
 
 
