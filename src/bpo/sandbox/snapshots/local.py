@@ -57,7 +57,8 @@ class NativeStore:
 
     def save(self, engine: Engine) -> tuple[Any, int]:
         state = engine.get_state()  # type: ignore[attr-defined]
-        return state, approx_nbytes(state)
+        nbytes = getattr(state, "nbytes", None)  # the engine's own size, when it knows it
+        return state, nbytes if isinstance(nbytes, int) else approx_nbytes(state)
 
     def load(self, engine: Engine, record: Record) -> Engine:
         engine.set_state(record.payload)  # type: ignore[attr-defined]
