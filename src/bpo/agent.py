@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from bpo.config import Config, ConfigError, SFTConfig
-from bpo.learner import token_logprobs
-from bpo.packing import pack_forest
+from bpo.learner import row_chunks, token_logprobs
+from bpo.packing import pack_paths
 from bpo.policy.parsing import parse_action
 from bpo.policy.prompts import PromptBuilder
 from bpo.policy.protocol import SamplingParams
@@ -150,12 +150,12 @@ class Agent:
             order = rng.permutation(len(trees))
             for start in range(0, len(trees), cfg.batch_size):
                 batch = [trees[i] for i in order[start : start + cfg.batch_size]]
-                packed = pack_forest(batch, pad_id=self.pad_id, max_row_tokens=4096)
+                packed = pack_paths(batch, pad_id=self.pad_id)  # chains: one row each
                 opt.zero_grad(set_to_none=True)
                 total = len(packed.actions.token)
                 loss_sum = 0.0
-                for r in range(packed.num_rows):
-                    logp, _, _ = token_logprobs(self.model, packed, slice(r, r + 1))
+                for rows in row_chunks(packed, 4096):
+                    logp, _, _ = token_logprobs(self.model, packed, rows)
                     loss = -logp.sum() / total
                     loss.backward()
                     loss_sum += loss.item()

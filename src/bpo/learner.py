@@ -29,7 +29,7 @@ from bpo.losses import AGGREGATIONS, policy_loss
 from bpo.packing import Packed, choose_layout, pack_forest, pack_paths
 from bpo.tree import Tree
 
-__all__ = ["Learner", "LearnerConfig", "token_logprobs"]
+__all__ = ["Learner", "LearnerConfig", "row_chunks", "token_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,9 @@ class LearnerConfig:
     """Optimizer steps per iteration = epochs * minibatches (each one a "policy update")."""
     layout: str = "auto"
     """Prefix sharing: "forest" (packed tree mask), "paths" (independent rows) or "auto"."""
-    max_row_tokens: int = 4096
-    """Trees are packed together into one row up to this many tokens."""
+    max_row_tokens: int = 2048
+    """Trees are packed together into one row up to this many tokens, and rows are forwarded
+    together up to this many (padded) tokens per forward pass."""
     temperature: float = 1.0
     """Sampling temperature: log-probs are computed from logits / temperature."""
     max_bad_steps: int = 5
@@ -112,6 +113,14 @@ def token_logprobs(
     logp = logprobs_all.gather(-1, tok[:, None]).squeeze(-1)  # [A]
     entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)  # [A]
     return logp, entropy, sel
+
+
+def row_chunks(packed: Packed, max_tokens: int) -> list[slice]:
+    """Consecutive row ranges whose padded size (rows x width) stays within ``max_tokens``
+    (at least one row each): independent rows are forwarded as a batch."""
+    width = int(packed.input_ids.shape[1])
+    per = max(1, max_tokens // max(width, 1))
+    return [slice(r, min(r + per, packed.num_rows)) for r in range(0, packed.num_rows, per)]
 
 
 class NonFiniteError(RuntimeError):
@@ -175,9 +184,9 @@ class Learner:
         values = [np.zeros(len(t)) for t in trees]
         a = packed.actions
         with torch.no_grad():
-            for r in range(packed.num_rows):
+            for rows in row_chunks(packed, self.config.max_row_tokens):
                 hid: list[torch.Tensor] = []
-                _, _, sel = token_logprobs(self.model, packed, slice(r, r + 1), hidden=hid)
+                _, _, sel = token_logprobs(self.model, packed, rows, hidden=hid)
                 v = self.model.value_head(hid[0]).squeeze(-1).float().numpy()  # [A]
                 for k, s_ in enumerate(sel):
                     t, node = packed.edges[a.edge[s_]]
@@ -305,8 +314,7 @@ class Learner:
             sums["loss/value"] = 0.0
         clip_n = ratio_s = kl_old = 0.0
         n_tok = max(len(packed.actions.token), 1)
-        for r in range(packed.num_rows):
-            rows = slice(r, r + 1)
+        for rows in row_chunks(packed, cfg.max_row_tokens):
             hid: list[torch.Tensor] | None = [] if self.critic else None
             logp, ent, sel = token_logprobs(self.model, packed, rows, cfg.temperature, hid)
             if len(sel) == 0:
