@@ -416,3 +416,52 @@ def gae(
     ret = np.zeros(n)
     ret[1:] = adv[1:] + v[t.parents[1:]]
     return adv, ret
+
+
+# --------------------------------------------------------------------------------------------
+# Variants (appended by the estimator-verification study; see BENCHMARKS.md)
+
+
+@ESTIMATORS.register("bpo_prior")
+def bpo_prior(
+    tree: TreeIndex,
+    *,
+    fingerprints: Sequence[Any] | None = None,
+    root_baseline: float | None = None,
+    prior_weight: float = 1.0,
+    **options: Any,
+) -> EdgeAdvantages:
+    """BPO whose root-level baseline also uses a per-task baseline from earlier iterations.
+
+    The root's children (and the chain segments below them, which inherit their advantage)
+    get the baseline ``(sum_{j != i} Q_j + prior_weight * root_baseline) / (W - 1 +
+    prior_weight)`` instead of the leave-one-out mean over the other W - 1 root children.
+    ``root_baseline`` must come from samples independent of this tree (e.g. the mean return
+    of the task's trees in an earlier iteration), so the estimator stays unbiased for any
+    ``prior_weight``; the inverse-variance choice is the number of root-level samples that
+    ``root_baseline`` averages. Without ``root_baseline`` this is exactly ``bpo``; with
+    ``root_width = 1`` it is ``bpo`` with that ``root_baseline``; on an independent group
+    (``root_width = N``, no other branching) it is RLOO with the same prior.
+    """
+    if options.get("std_normalize"):
+        raise TypeError("estimator 'bpo_prior' does not support std_normalize; use 'bpo'")
+    options.pop("std_normalize", None)
+    res = bpo(tree, fingerprints=fingerprints, root_baseline=root_baseline, **options)
+    ch = tree.children[0]
+    if root_baseline is None or len(ch) < 2:
+        return res
+    if prior_weight <= 0:
+        raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+    _, q = node_values(tree)
+    qs = q[ch]  # [W]
+    mixed = (qs.sum() - qs + prior_weight * float(root_baseline)) / (len(ch) - 1 + prior_weight)
+    adv = res.advantage.copy()
+    for c, b in zip(ch, mixed, strict=True):
+        delta = (q[c] - b) - adv[c]
+        node = c
+        while True:  # the chain segment below c inherits A(c)
+            adv[node] += delta
+            if len(tree.children[node]) != 1:
+                break
+            node = tree.children[node][0]
+    return EdgeAdvantages(adv, res.weight)
