@@ -178,10 +178,16 @@ def pack_paths(
 ) -> Packed:
     """The independent layout: one row per leaf (its full root-to-leaf sequence, causal mask).
     Each edge's tokens are scored in the first row (leftmost leaf) whose path contains it.
-    This is the reference the packed forest must equal, and the faster layout when trees
-    share little."""
+    A context reset on the path ends the row after the reset node's action (which was sampled
+    from the old context) and starts a new row with the new context. This is the reference
+    the packed forest must equal, and the faster layout when trees share little."""
     edges: list[tuple[int, int]] = []
     rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = []
+
+    def flush(ids: list[int], acts: list[tuple[int, int, int, int]]) -> None:
+        if acts:
+            rows.append((ids, list(range(-1, len(ids) - 1)), acts))
+
     for t, tree in enumerate(trees):
         seen: set[int] = set()
         for leaf in tree.leaves():
@@ -205,10 +211,10 @@ def pack_paths(
                     else:
                         ids.extend(node.turn.action_ids)
                 if node.context_reset:
-                    raise ValueError("pack_paths does not support context resets; use pack_forest")
+                    flush(ids, acts)
+                    ids, acts = [], []
                 ids.extend(node.obs_ids)
-            if acts:
-                rows.append((ids, list(range(-1, len(ids) - 1)), acts))
+            flush(ids, acts)
     return _to_packed(rows, edges, pad_id, dtype)
 
 

@@ -115,6 +115,9 @@ def test_context_reset_is_honoured():
     t = random_tree(rng, depth=3, k=2, reset_at=0)
     model = tiny()
     got = edge_logps(model, pack_forest([t]))
+    assert got.keys() == edge_logps(model, pack_paths([t])).keys()
+    for k, v in edge_logps(model, pack_paths([t])).items():
+        torch.testing.assert_close(v, got[k], atol=1e-5, rtol=1e-5)
     for (_, node), lp in got.items():
         parent = t.nodes[node].parent
         ctx = t.context(parent)
