@@ -98,9 +98,10 @@ class EntropyQuantile(_Causal):
     """Branch where the policy is least certain: entropy above a running quantile (default).
 
     The threshold is the ``quantile`` of the turn entropies seen in the last ``window`` turns
-    of *earlier* iterations (so that, on average, a ``1 - quantile`` share of states qualifies).
-    In the first iteration, with no history yet, the entropies seen so far in the current
-    iteration are used (still causal); before ``min_history`` entropies exist, no branching.
+    of *earlier* iterations (so that, on average, a ``1 - quantile`` share of states qualifies),
+    computed once per iteration. In the first iteration, with no history yet, the entropies
+    seen so far in the current iteration are used (still causal); before ``min_history``
+    entropies exist, no branching.
     """
 
     def __init__(
@@ -126,14 +127,14 @@ class EntropyQuantile(_Causal):
         self.threshold: float | None = None
 
     def decide(self, point: BranchPoint) -> int:
-        pool = self.history if len(self.history) >= self.min_history else self.current
-        threshold = None
-        if len(pool) >= self.min_history:
-            threshold = float(np.quantile(pool, self.quantile))
+        threshold = self.threshold  # from earlier iterations (set in end_iteration)
+        if threshold is None and len(self.current) >= self.min_history:
+            threshold = float(np.quantile(self.current, self.quantile))  # first iteration
         self.current.append(point.entropy)
         if threshold is None or point.depth >= self.max_depth:
             return 1
-        if point.entropy > threshold and self._allowed(point):
+        # >=: with few distinct entropies the quantile can equal the maximum
+        if point.entropy >= threshold and self._allowed(point):
             return self.k
         return 1
 

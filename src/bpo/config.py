@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from bpo.learner import LearnerConfig
-from bpo.rollout.budget import BUDGET_UNITS
+from bpo.rollout.budget import BUDGET_MODES, BUDGET_UNITS
 
 __all__ = [
     "BudgetConfig",
@@ -87,7 +87,9 @@ class TreeConfig:
     """Children per branch node."""
     root_width: int = 2
     """Children of the root (1 = single backbone; N with rule none = an independent group)."""
-    entropy: str = "mean"
+    entropy: str = "first"
+    """Turn entropy for the rule: "first" token (causal, default) or "mean" (see
+    bpo.rollout.engine.RolloutConfig.entropy)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Extra rule options (quantile, threshold, steps, p, max_branches, max_depth, ...)."""
 
@@ -106,9 +108,17 @@ class BudgetConfig:
     """Matched-compute unit: tokens (generated), steps (sandbox) or leaves."""
     amount: float = 1200
     """Per-task budget in that unit."""
+    mode: str = "expected"
+    """"expected": causal, matched in expected cost (unbiased); "hard": stop at the amount
+    (biased; see bpo.rollout.budget)."""
     truncate: bool = False
+    """hard mode only: cut the rollout in flight when the budget runs out."""
 
     def __post_init__(self) -> None:
+        if self.mode not in BUDGET_MODES:
+            raise ConfigError(
+                f"budget.mode={self.mode!r} is not valid; valid: {', '.join(BUDGET_MODES)}"
+            )
         if self.unit not in BUDGET_UNITS:
             raise ConfigError(
                 f"budget.unit={self.unit!r} is not valid; valid: {', '.join(BUDGET_UNITS)}"

@@ -122,7 +122,7 @@ class Trainer:
             self.rule,
             cfg.tree.root_width,
             cfg.policy.temperature,
-            Budget(cfg.budget.unit, cfg.budget.amount, cfg.budget.truncate),
+            Budget(cfg.budget.unit, cfg.budget.amount, cfg.budget.mode, cfg.budget.truncate),
         )
         self.task_rng = np.random.default_rng(cfg.run.seed)
         if self.write:
@@ -151,7 +151,7 @@ class Trainer:
         tasks = tasks or self.eval_tasks
         e = self.cfg.eval
         width = 1 if e.temperature == 0 else max(1, e.episodes_per_task)
-        budget = Budget("leaves", float(width), min_rollouts=width)
+        budget = Budget("leaves", float(width), mode="hard", min_rollouts=width)
         engine = self._engine(make_rule("none"), width, e.temperature, budget)
         try:
             trees = engine.run([(t, 1_000_003 + i) for i, t in enumerate(tasks)])
@@ -172,6 +172,7 @@ class Trainer:
             "rng": rng_state(),
             "task_rng": self.task_rng.bit_generator.state,
             "rule": self.rule,
+            "costs": self.engine.costs.state_dict(),
             "policy_rng": self.bundle.policy_rng_state(),
             "eval_before": getattr(self, "eval_before", None),
         }
@@ -196,6 +197,7 @@ class Trainer:
         self.task_rng.bit_generator.state = st["task_rng"]
         self.rule = st["rule"]
         self.engine.rule = self.rule
+        self.engine.costs.load_state_dict(st["costs"])
         self.bundle.set_policy_rng_state(st["policy_rng"])
         self.eval_before = st.get("eval_before")
         self.metrics.truncate_after(self.iteration)

@@ -101,26 +101,36 @@ def test_sampled_logprobs_equal_learner_logprobs(agent):
             assert lp == pytest.approx(trees[t].nodes[node].turn.logprobs[j], abs=2e-5)
 
 
-def test_group_and_tree_consume_matched_budget(agent):
+def test_expected_budget_fixes_every_width_before_sampling(agent):
+    """Expected mode: the group size and each branch node's K are decided before any child is
+    sampled (queued rollouts always run), from the budget and earlier iterations' costs."""
     budget = Budget("tokens", 150)
     group = engine(agent, make_rule("none"), root_width=64, budget=budget, max_steps=4)
     tree = engine(agent, make_rule("every", k=2), root_width=2, budget=budget, max_steps=4)
     try:
+        # no history yet: an episode is expected to cost (4 / 2 turns) * (12 / 2 tokens) = 12
+        assert group._root_width() == 150 // 12
         g = group.run(TASKS)
         t = tree.run(TASKS)
+        # the cost model now holds this iteration's measured costs
+        expected = group.costs.rollout_cost("tokens", 0)
+        assert group._root_width() == max(2, min(64, int(150 // expected)))
     finally:
         group.close()
         tree.close()
-    max_rollout = 4 * 12  # max_steps * max_new_tokens: a rollout in flight finishes
-    for trees in (g, t):
-        for tr in trees:
-            used = tr.meta["compute"].generated_tokens
-            assert 150 <= used < 150 + max_rollout
-    assert all(len(tr.nodes[0].children) >= 2 for tr in g)
+    for tr in g:
+        assert len(tr.nodes[0].children) == 150 // 12
+    for tr in t:
+        for node in tr.nodes:
+            if node.branch_k >= 2:
+                assert len(node.children) == node.branch_k  # never cut after the decision
+    used_g = np.mean([tr.meta["compute"].generated_tokens for tr in g])
+    used_t = np.mean([tr.meta["compute"].generated_tokens for tr in t])
+    assert 0 < used_t and 0 < used_g
 
 
-def test_truncating_budget_matches_within_one_turn(agent):
-    budget = Budget("tokens", 100, truncate=True)
+def test_hard_truncating_budget_matches_within_one_turn(agent):
+    budget = Budget("tokens", 100, mode="hard", truncate=True)
     eng = engine(agent, make_rule("none"), root_width=64, budget=budget, max_steps=6)
     try:
         trees = eng.run(TASKS)

@@ -43,6 +43,7 @@ def test_entropy_quantile_uses_only_the_past():
     assert rule.threshold == pytest.approx(2.5)  # median of [1, 2, 3, 4, 3, 2]
     assert rule.decide(BranchPoint(step=0, entropy=2.6)) == 2
     assert rule.decide(BranchPoint(step=1, entropy=2.4)) == 1
+    assert rule.decide(BranchPoint(step=2, entropy=2.5)) == 2  # ties with the quantile branch
 
 
 def test_fixed_depths_every_none():

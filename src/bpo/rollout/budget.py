@@ -1,13 +1,33 @@
 """Compute accounting and the per-task budget that makes comparisons "at matched compute"
-(DESIGN section 3)."""
+(DESIGN section 3).
+
+Two budget modes:
+
+* ``expected`` (default, causal, unbiased): every decision that adds rollouts to a tree is made
+  *before* those rollouts are sampled and uses only the prefix and statistics of earlier
+  iterations. A branch node gets K children only if K - 1 forks fit in the budget left after
+  reserving the expected cost of everything already queued; an independent group's size N is
+  fixed when the task starts, from the budget and the expected cost of an episode. Queued
+  rollouts always run. Trees and groups therefore match in *expected* cost per task, and the
+  metrics report what each really consumed.
+* ``hard`` (biased; kept labelled for comparison): stop starting queued rollouts once the
+  spent budget reaches the amount (and, with ``truncate``, cut the rollout in flight). The
+  number of children a node ends up with then depends on how long its earlier children ran,
+  which correlates with their returns: measured bias in the exact study (``bpo verify
+  --engine-checks``: gradient scale 0.84).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections import deque
+from dataclasses import dataclass, field, fields
 
-__all__ = ["BUDGET_UNITS", "Budget", "Compute"]
+import numpy as np
+
+__all__ = ["BUDGET_MODES", "BUDGET_UNITS", "Budget", "Compute", "CostModel"]
 
 BUDGET_UNITS = ("tokens", "steps", "leaves")
+BUDGET_MODES = ("expected", "hard")
 
 
 @dataclass
@@ -40,26 +60,25 @@ class Compute:
 
 @dataclass(frozen=True)
 class Budget:
-    """How much one task's tree (or group) may consume before it stops growing.
-
-    The budget is checked before every new rollout (episode or fork) starts and, with
-    ``truncate``, before every turn: then a rollout in flight when the budget runs out is cut
-    (its leaf marked truncated) and matching holds to within one turn. Without ``truncate``
-    rollouts in flight always finish (at most ``max_steps``), so a tree can overshoot by one
-    rollout; the iteration's metrics always report what was really consumed.
-    """
+    """How much one task's tree (or group) may consume."""
 
     unit: str = "tokens"
     """What is matched: "tokens" (generated), "steps" (sandbox steps) or "leaves"."""
     amount: float = 2048
     """Per-task budget in that unit."""
+    mode: str = "expected"
+    """"expected" (causal, unbiased) or "hard" (biased; see the module docstring)."""
     truncate: bool = False
+    """hard mode only: cut the rollout in flight when the budget runs out (matching within one
+    turn; the cut leaf is marked truncated)."""
     min_rollouts: int = 2
-    """Rollouts started regardless of the budget (a group needs 2 for any baseline)."""
+    """Rollouts every task gets regardless of the budget (a group needs 2 for a baseline)."""
 
     def __post_init__(self) -> None:
         if self.unit not in BUDGET_UNITS:
             raise ValueError(f"unknown budget unit {self.unit!r}; valid: {', '.join(BUDGET_UNITS)}")
+        if self.mode not in BUDGET_MODES:
+            raise ValueError(f"unknown budget mode {self.mode!r}; valid: {', '.join(BUDGET_MODES)}")
         if self.amount <= 0:
             raise ValueError(f"budget amount must be > 0, got {self.amount}")
 
@@ -70,6 +89,59 @@ class Budget:
             return float(c.sandbox_steps)
         return float(c.leaves)
 
-    def left(self, c: Compute) -> float:
-        """Fraction of the budget not yet spent, in [0, 1]."""
-        return max(0.0, 1.0 - self.used(c) / self.amount)
+    def left(self, c: Compute, reserved: float = 0.0) -> float:
+        """Fraction of the budget neither spent nor reserved, in [0, 1]."""
+        return max(0.0, 1.0 - (self.used(c) + reserved) / self.amount)
+
+
+@dataclass
+class CostModel:
+    """Expected cost of a rollout, from the rollouts of *earlier iterations* only (so that
+    decisions based on it stay causal). Before any history: half the step and token limits."""
+
+    max_steps: int
+    max_new_tokens: int
+    window: int = 2048
+    lengths: deque[int] = field(default_factory=deque)
+    """Turns of recent root-to-leaf paths (earlier iterations)."""
+    turn_tokens: float | None = None
+    _pending_lengths: list[int] = field(default_factory=list)
+    _pending_tokens: list[int] = field(default_factory=list)
+
+    def observe(self, path_turns: int, tokens: int, turns: int) -> None:
+        """Record a finished tree's paths (applied at :meth:`end_iteration`)."""
+        self._pending_lengths.append(path_turns)
+        if turns:
+            self._pending_tokens.append(tokens / turns)
+
+    def end_iteration(self) -> None:
+        self.lengths.extend(self._pending_lengths)
+        while len(self.lengths) > self.window:
+            self.lengths.popleft()
+        if self._pending_tokens:
+            self.turn_tokens = float(np.mean(self._pending_tokens))
+        self._pending_lengths, self._pending_tokens = [], []
+
+    def turns_from(self, step: int) -> float:
+        """Expected turns of a rollout from a state at ``step`` to its leaf (>= 1)."""
+        longer = [n - step for n in self.lengths if n > step]
+        if not longer:
+            return max(1.0, self.max_steps / 2 - step) if not self.lengths else 1.0
+        return float(np.mean(longer))
+
+    def rollout_cost(self, unit: str, step: int) -> float:
+        """Expected cost, in ``unit``, of one rollout (fork or episode) from ``step``."""
+        if unit == "leaves":
+            return 1.0
+        turns = self.turns_from(step)
+        if unit == "steps":
+            return turns
+        per_turn = self.turn_tokens if self.turn_tokens is not None else self.max_new_tokens / 2
+        return turns * per_turn
+
+    def state_dict(self) -> dict:
+        return {"lengths": list(self.lengths), "turn_tokens": self.turn_tokens}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.lengths = deque(d["lengths"])
+        self.turn_tokens = d["turn_tokens"]
