@@ -262,28 +262,7 @@ class Learner:
         """One iteration: ``epochs * minibatches`` optimizer steps on these trees."""
         cfg = self.config
         t_start = time.perf_counter()
-        ppo = estimator == "ppo"
-        if ppo and not self.critic:
-            raise ValueError(
-                "estimator 'ppo' needs a value head: build the Learner with critic=True"
-            )
-        if ppo and estimator_options:
-            raise TypeError(f"estimator 'ppo' takes no options (got {sorted(estimator_options)}); "
-                            "set learner.gamma / learner.gae_lambda")  # fmt: skip
-        chunks = [list(c) for c in np.array_split(np.arange(len(trees)), cfg.minibatches) if len(c)]
-        terms: list[estimators.EdgeAdvantages] = [None] * len(trees)  # type: ignore[list-item]
-        batches = []
-        for idx in chunks:
-            sub = [trees[i] for i in idx]
-            packed = self.pack(sub)
-            targets = None
-            if ppo:
-                sub_terms, targets = self._gae_terms(sub, packed)
-            else:
-                sub_terms = self._edge_terms(sub, estimator, estimator_options)
-            for i, term in zip(idx, sub_terms, strict=True):
-                terms[i] = term
-            batches.append((packed, self._token_terms(packed, sub, sub_terms, targets)))
+        batches, terms = self._prepare(trees, estimator, estimator_options, cfg.minibatches)
         logs: dict[str, list[float]] = {}
         self.model.train()
         for _ in range(cfg.epochs):
@@ -306,9 +285,60 @@ class Learner:
         )
         return metrics
 
-    def _step(self, packed: Packed, tt: dict[str, torch.Tensor]) -> dict[str, float]:
-        cfg = self.config
+    def gradient(
+        self, trees: Sequence[Tree], estimator: str = "bpo", **estimator_options: Any
+    ) -> torch.Tensor:
+        """The policy-gradient estimate of one batch (all trainable parameters, flattened),
+        without an optimizer step: for estimator-variance studies at a fixed policy."""
+        batches, _ = self._prepare(trees, estimator, estimator_options, 1)
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+        for packed, tt in batches:
+            self._accumulate(packed, tt)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        return flat.detach()
+
+    def _prepare(
+        self,
+        trees: Sequence[Tree],
+        estimator: str,
+        estimator_options: dict[str, Any],
+        minibatches: int,
+    ) -> tuple[list[tuple[Packed, dict[str, torch.Tensor]]], list[estimators.EdgeAdvantages]]:
+        """Phases 1-2: advantages, packing and per-token terms of each minibatch."""
+        ppo = estimator == "ppo"
+        if ppo and not self.critic:
+            raise ValueError(
+                "estimator 'ppo' needs a value head: build the Learner with critic=True"
+            )
+        if ppo and estimator_options:
+            raise TypeError(
+                f"estimator 'ppo' takes no options (got {sorted(estimator_options)}); "
+                "set learner.gamma / learner.gae_lambda"
+            )
+        chunks = [list(c) for c in np.array_split(np.arange(len(trees)), minibatches) if len(c)]
+        terms: list[estimators.EdgeAdvantages] = [None] * len(trees)  # type: ignore[list-item]
+        batches = []
+        for idx in chunks:
+            sub = [trees[i] for i in idx]
+            packed = self.pack(sub)
+            targets = None
+            if ppo:
+                sub_terms, targets = self._gae_terms(sub, packed)
+            else:
+                sub_terms = self._edge_terms(sub, estimator, estimator_options)
+            for i, term in zip(idx, sub_terms, strict=True):
+                terms[i] = term
+            batches.append((packed, self._token_terms(packed, sub, sub_terms, targets)))
+        return batches, terms
+
+    def _accumulate(self, packed: Packed, tt: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Forward and backward of the loss over a packed minibatch (gradients accumulate)."""
+        cfg = self.config
         sums = {"loss/total": 0.0, "loss/pg": 0.0, "loss/kl": 0.0, "loss/entropy": 0.0}
         if self.critic:
             sums["loss/value"] = 0.0
@@ -345,6 +375,18 @@ class Learner:
             clip_n += out.clip_frac.item() * frac
             ratio_s += out.ratio_mean.item() * frac
             kl_old += out.approx_kl_old.item() * frac
+        return {
+            **sums,
+            "learner/clip_frac": clip_n,
+            "learner/ratio_mean": ratio_s,
+            "learner/approx_kl_old": kl_old,
+        }
+
+    def _step(self, packed: Packed, tt: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Phase 3: one optimizer step; a non-finite loss or gradient never reaches the weights."""
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = self._accumulate(packed, tt)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
         finite = math.isfinite(norm) and math.isfinite(sums["loss/total"])
@@ -365,7 +407,4 @@ class Learner:
             **sums,
             "learner/grad_norm": norm,
             "learner/skipped_nonfinite": float(not finite),
-            "learner/clip_frac": clip_n,
-            "learner/ratio_mean": ratio_s,
-            "learner/approx_kl_old": kl_old,
         }

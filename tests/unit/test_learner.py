@@ -194,3 +194,22 @@ def test_ppo_needs_a_critic():
     model = tiny()
     with pytest.raises(ValueError, match="critic=True"):
         Learner(model, LearnerConfig()).update([random_tree(np.random.default_rng(0))], "ppo")
+
+
+def test_gradient_is_the_update_direction_without_a_step():
+    rng = np.random.default_rng(8)
+    trees = [random_tree(rng)]
+    model = tiny()
+    learner = Learner(model, LearnerConfig(lr=1e-2, max_grad_norm=1e9))
+    before = [p.detach().clone() for p in model.parameters()]
+    g = learner.gradient(trees, "bpo")
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    assert g.numel() == sum(p.numel() for p in model.parameters()) and g.norm() > 0
+    # plain SGD with the same batch moves the weights by -lr * g
+    sgd = Learner(model, LearnerConfig(lr=1e-2, max_grad_norm=1e9))
+    sgd.optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sgd.update(trees, "bpo")
+    moved = torch.cat(
+        [(p.detach() - b).reshape(-1) for p, b in zip(model.parameters(), before, strict=True)]
+    )
+    torch.testing.assert_close(moved, -1e-2 * g, atol=1e-6, rtol=1e-4)
