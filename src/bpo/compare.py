@@ -14,7 +14,7 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,38 @@ def _warm_start(cfg: Config, out: Path, seed: int) -> Path:
     trainer.bundle.model.save_pretrained(path)
     trainer.bundle.tokenizer.save_pretrained(path)
     return path
+
+
+def _variance_study(
+    cfg_for: Callable[[str], Config], out: Path, methods: Sequence[str], batches: int, seed: int
+) -> dict[str, Any]:
+    """Gradient variance of every method at the warm-started policy (one seed)."""
+    from bpo.analysis.gradvar import gradient_study
+    from bpo.train import Trainer
+
+    trainers: dict[str, Trainer] = {}
+    rng = np.random.default_rng(seed)
+
+    def sample_batch(method: str, b: int) -> tuple[Any, float]:
+        if method not in trainers:
+            tr = Trainer(cfg_for(method), out / "variance" / method, write=False)
+            tr.setup()
+            tasks = [(t, 0) for t in tr.train_tasks[: tr.cfg.run.tasks_per_iteration]]
+            tr.engine.run(tasks)  # calibrates the budget's cost model; discarded
+            trainers[method] = tr
+        tr = trainers[method]
+        n = tr.cfg.run.tasks_per_iteration
+        idx = rng.choice(len(tr.train_tasks), n, replace=len(tr.train_tasks) < n)
+        trees = tr.engine.run([(tr.train_tasks[i], int(rng.integers(1 << 30))) for i in idx])
+        est = tr.cfg.estimator
+        g = tr.learner.gradient(trees, est.name, **est.options)
+        return g, float(sum(t.meta["compute"].generated_tokens for t in trees))
+
+    try:
+        return gradient_study(methods, sample_batch, batches, seed=seed)
+    finally:
+        for tr in trainers.values():
+            tr.engine.close()
 
 
 def _updates_to_reach(rows: list[dict[str, Any]], target: float, key: str) -> float:
@@ -176,6 +208,24 @@ def _write_report(out: Path, summary: dict[str, Any], curves: dict[str, Any]) ->
     (out / "report.md").write_text("\n".join(lines))
 
 
+def _append_variance(out: Path, study: dict[str, Any]) -> None:
+    lines = [
+        "", "## Estimator variance at the warm-started policy (seed 0)", "",
+        "Batch gradients count-sketched to 4,096 dims; the reference direction is the mean "
+        "batch gradient of the unbiased estimators (bpo, rloo).", "",
+        "| method | trace cov | tokens / batch | trace cov x tokens | grad-norm var | "
+        "cos to reference |", "| --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for m, r in study.items():
+        lines.append(
+            f"| {m} | {r['trace_cov']:.3g} | {r['cost_tokens']:.0f} | "
+            f"{r['trace_cov_x_cost']:.3g} | {r['grad_norm_var']:.3g} | "
+            f"{r['cos_to_reference']:.3f} |"
+        )
+    with open(out / "report.md", "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="bpo compare", description=__doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", help="dotted overrides applied to every method")
@@ -186,6 +236,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--unit", choices=("tokens", "steps", "leaves"), help="budget unit")
     ap.add_argument("--quick", action="store_true", help="a reduced run for CI (minutes)")
     ap.add_argument("--out", help="output directory (default: runs/compare-<time>)")
+    ap.add_argument("--variance-batches", type=int, default=None,
+                    help="batches per method for the gradient-variance study at the warm-started "
+                         "policy of seed 0 (default 6; 3 with --quick; 0 = skip)")  # fmt: skip
     args = ap.parse_args(argv)
     from bpo.train import Trainer, default_config_path
 
@@ -219,6 +272,28 @@ def main(argv: list[str]) -> int:
         print(f"bpo compare: {e}")
         return 2
     summary = summarize(out, methods, seeds)
+    nvar = args.variance_batches if args.variance_batches is not None else (3 if args.quick else 6)
+    if nvar > 0:
+        model0 = out / "sft-seed0" / "model"
+
+        def cfg_for(m: str) -> Config:
+            return load_config(
+                args.config or default_config_path(),
+                [*common, *METHODS[m], "run.seed=0", f"policy.model={model0}",
+                 "sft.episodes_per_task=0"],
+            )  # fmt: skip
+
+        study = _variance_study(cfg_for, out, methods, nvar, seed=0)
+        summary["variance_study"] = study
+        base = [m for m in methods if not m.startswith("bpo")]
+        if "bpo" in study and base:
+            ref = min(base, key=lambda m: study[m]["trace_cov_x_cost"])
+            denom = study[ref]["trace_cov_x_cost"]
+            summary["ratios"]["trace_cov_x_cost_vs_best"] = (
+                study["bpo"]["trace_cov_x_cost"] / denom if denom > 0 else None
+            )  # None: no gradient signal (every return equal), nothing to compare
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        _append_variance(out, study)
     for m, r in summary["methods"].items():
         fs = r["final_success"]
         print(f"{m:10s} held-out success {fs['mean']:.3f} ± {fs['ci95']:.3f}")
