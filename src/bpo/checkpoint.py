@@ -102,7 +102,8 @@ def save_checkpoint(
     *,
     keep: int = 3,
 ) -> Path:
-    """Write checkpoint ``iteration`` under ``root`` atomically; keep the newest ``keep``.
+    """Write checkpoint ``iteration`` under ``root`` atomically; keep the newest ``keep`` (and
+    iteration 0, the policy before RL).
 
     ``state`` may hold anything ``torch.save`` can store (RNG states included). On any error
     (a full disk, say) the partial directory is removed and the previous checkpoints stay.
@@ -141,7 +142,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in sorted(p for p in root.glob("iter-*") if ".tmp" not in p.name)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != "iter-000000":  # the warm-started policy, before any RL update, is kept
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
