@@ -25,6 +25,7 @@ def test_round_trip_and_keep(tmp_path):
     for it in range(5):
         _save(tmp_path, it, it)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter-000000",
         "iter-000002",
         "iter-000003",
         "iter-000004",
