@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	OMP_WAIT_POLICY=PASSIVE $(BPO) verify
+	OMP_WAIT_POLICY=PASSIVE $(BPO) train
 
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -1,0 +1,41 @@
+"""`bpo compare --quick` end to end: every method trained from one shared warm start per seed,
+summary.json with per-method curves, confidence intervals, the variance study and ratios."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_compare_quick_writes_summary_with_curves_and_ratios(tmp_path):
+    out = tmp_path / "cmp"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bpo.cli", "compare", "--quick", "--seeds", "2",
+         "--variance-batches", "2", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    methods = ["bpo", "grpo", "rloo", "gigpo", "ppo"]
+    assert list(summary["methods"]) == methods
+    for m in methods:
+        r = summary["methods"][m]
+        assert len(r["final_success"]["per_seed"]) == 2
+        assert 0.0 <= r["final_success"]["mean"] <= 1.0
+        assert r["final_success"]["ci95"] >= 0.0
+        assert len(summary["curves"][m]) == 2  # one curve per seed
+        assert all(len(rows) == 2 for rows in summary["curves"][m])  # two iterations each
+        assert r["generated_tokens"] > 0
+    assert summary["ratios"]["best_baseline"] in methods[1:]
+    for key in ("success", "grad_norm_var", "updates_to_match", "generated_tokens"):
+        assert key in summary["ratios"]
+    study = summary["variance_study"]
+    assert set(study) == set(methods)
+    assert all(s["batches"] == 2 for s in study.values())
+    report = (out / "report.md").read_text()
+    assert "held-out success" in report and "Estimator variance" in report
+    assert (out / "success_vs_updates.png").stat().st_size > 1000
