@@ -127,18 +127,22 @@ def run_engine_checks(n_trees: int = 3000, seed: int = 0) -> list[dict[str, Any]
     from bpo.rollout.budget import Budget
     from bpo.rollout.engine import RolloutConfig
 
-    def config(width: int, amount: float, entropy: str) -> RolloutConfig:
-        budget = Budget(unit="steps", amount=amount)
+    def config(width: int, amount: float, entropy: str, mode: str = "expected") -> RolloutConfig:
+        budget = Budget(unit="steps", amount=amount, mode=mode)
         return RolloutConfig(width, max_steps=40, budget=budget, entropy=entropy, concurrency=8)
 
     cases = [
         ("engine_budget_stop", "no binding budget", "unbiased", "budget_trap-0", "fixed_depths",
          {"k": 4, "steps": [0]}, config(1, 1e9, "first"), None),
-        ("engine_budget_stop", "budget 12 steps: queued forks dropped", "biased", "budget_trap-0",
-         "fixed_depths", {"k": 4, "steps": [0]}, config(1, 12, "first"), None),
-        ("engine_entropy", "entropy='first'", "unbiased", "random-3", "entropy_threshold",
+        ("engine_budget_stop", "budget 12 steps, expected mode (default): K fixed before "
+         "sampling", "unbiased", "budget_trap-0", "fixed_depths", {"k": 4, "steps": [0]},
+         config(1, 12, "first"), None),
+        ("engine_budget_stop", "budget 12 steps, hard mode: queued forks dropped", "biased",
+         "budget_trap-0", "fixed_depths", {"k": 4, "steps": [0]},
+         config(1, 12, "first", "hard"), None),
+        ("engine_entropy", "entropy='first' (the default)", "unbiased", "random-3", "entropy_threshold",
          {"k": 3, "threshold": 0.9}, config(2, 1e9, "first"), 1.0),
-        ("engine_entropy", "entropy='mean' (the default)", "biased", "random-3",
+        ("engine_entropy", "entropy='mean'", "biased", "random-3",
          "entropy_threshold", {"k": 3, "threshold": 0.9}, config(2, 1e9, "mean"), 1.0),
         ("engine_topk", "topk_backbone b=1, root_width 2", "biased", "agent-1", "topk_backbone",
          {"k": 3, "b": 1}, config(2, 1e9, "first"), None),
