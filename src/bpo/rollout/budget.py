@@ -4,8 +4,8 @@
 Two budget modes:
 
 * ``expected`` (default, causal, unbiased): every decision that adds rollouts to a tree is made
-  *before* those rollouts are sampled and uses only the prefix and statistics of earlier
-  iterations. A branch node gets K children only if K - 1 forks fit in the budget left after
+  *before* those rollouts are sampled and uses only the prefix and the costs of *other*,
+  finished trees. A branch node gets K children only if K - 1 forks fit in the budget left after
   reserving the expected cost of everything already queued; an independent group's size N is
   fixed when the task starts, from the budget and the expected cost of an episode. Queued
   rollouts always run. Trees and groups therefore match in *expected* cost per task, and the
@@ -96,38 +96,42 @@ class Budget:
 
 @dataclass
 class CostModel:
-    """Expected cost of a rollout, from the rollouts of *earlier iterations* only (so that
-    decisions based on it stay causal). Before any history: half the step and token limits."""
+    """Expected cost of a rollout, learnt from *finished trees*. A tree's decisions use the
+    costs of other trees (earlier iterations, or other tasks already finished in this one),
+    never its own, which are independent of its samples: the decisions stay causal. Before any
+    tree has finished: half the step limit and half the token limit per turn."""
 
     max_steps: int
     max_new_tokens: int
     window: int = 2048
     lengths: deque[int] = field(default_factory=deque)
-    """Turns of recent root-to-leaf paths (earlier iterations)."""
-    turn_tokens: float | None = None
-    _pending_lengths: list[int] = field(default_factory=list)
-    _pending_tokens: list[int] = field(default_factory=list)
+    """Turns of recent root-to-leaf paths."""
+    per_turn: deque[float] = field(default_factory=deque)
+    """Generated tokens per turn of recent trees."""
 
     def observe(self, path_turns: int, tokens: int, turns: int) -> None:
-        """Record a finished tree's paths (applied at :meth:`end_iteration`)."""
-        self._pending_lengths.append(path_turns)
+        """Record one root-to-leaf path of a finished tree (and the tree's tokens per turn)."""
+        self.lengths.append(path_turns)
         if turns:
-            self._pending_tokens.append(tokens / turns)
-
-    def end_iteration(self) -> None:
-        self.lengths.extend(self._pending_lengths)
+            self.per_turn.append(tokens / turns)
         while len(self.lengths) > self.window:
             self.lengths.popleft()
-        if self._pending_tokens:
-            self.turn_tokens = float(np.mean(self._pending_tokens))
-        self._pending_lengths, self._pending_tokens = [], []
+        while len(self.per_turn) > self.window:
+            self.per_turn.popleft()
+
+    def end_iteration(self) -> None:
+        """Nothing to roll over: finished trees are used as soon as they finish."""
+
+    @property
+    def turn_tokens(self) -> float | None:
+        return float(np.mean(self.per_turn)) if self.per_turn else None
 
     def turns_from(self, step: int) -> float:
         """Expected turns of a rollout from a state at ``step`` to its leaf (>= 1)."""
+        if not self.lengths:
+            return max(1.0, self.max_steps / 2 - step)
         longer = [n - step for n in self.lengths if n > step]
-        if not longer:
-            return max(1.0, self.max_steps / 2 - step) if not self.lengths else 1.0
-        return float(np.mean(longer))
+        return float(np.mean(longer)) if longer else 1.0
 
     def rollout_cost(self, unit: str, step: int) -> float:
         """Expected cost, in ``unit``, of one rollout (fork or episode) from ``step``."""
@@ -136,12 +140,12 @@ class CostModel:
         turns = self.turns_from(step)
         if unit == "steps":
             return turns
-        per_turn = self.turn_tokens if self.turn_tokens is not None else self.max_new_tokens / 2
-        return turns * per_turn
+        per_turn = self.turn_tokens
+        return turns * (per_turn if per_turn is not None else self.max_new_tokens / 2)
 
     def state_dict(self) -> dict:
-        return {"lengths": list(self.lengths), "turn_tokens": self.turn_tokens}
+        return {"lengths": list(self.lengths), "per_turn": list(self.per_turn)}
 
     def load_state_dict(self, d: dict) -> None:
         self.lengths = deque(d["lengths"])
-        self.turn_tokens = d["turn_tokens"]
+        self.per_turn = deque(d["per_turn"])

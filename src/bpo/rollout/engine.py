@@ -213,7 +213,10 @@ class RolloutEngine:
         return max(b.min_rollouts, min(cfg.root_width, n))
 
     def _reserved(self, run: _TreeRun) -> float:
-        """Expected cost still to come from queued forks and the rollout in flight."""
+        """Expected cost still to come from queued forks and the rollout in flight (expected
+        mode; the hard mode reserves nothing)."""
+        if self.config.budget.mode != "expected":
+            return 0.0
         unit = self.config.budget.unit
         tree = run.tree
         total = sum(
