@@ -42,9 +42,9 @@ METHODS: dict[str, list[str]] = {
 }
 DEFAULT_METHODS = ("bpo", "grpo", "rloo", "gigpo", "ppo")
 QUICK = [
-    "run.iterations=2", "run.tasks_per_iteration=3", "sandbox.num_train_tasks=6",
-    "sandbox.num_eval_tasks=3", "sft.epochs=1", "budget.amount=150", "run.max_steps=6",
-    "run.log_trees=1",
+    "run.iterations=2", "run.tasks_per_iteration=2", "sandbox.num_train_tasks=4",
+    "sandbox.num_eval_tasks=2", "sft.epochs=1", "budget.amount=100", "run.max_steps=6",
+    "run.log_trees=1", "learner.epochs=1", "learner.minibatches=1",
 ]  # fmt: skip
 
 

@@ -10,6 +10,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_compare_quick_writes_summary_with_curves_and_ratios(tmp_path):
     out = tmp_path / "cmp"
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
