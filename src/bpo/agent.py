@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bpo.config import Config, ConfigError, SFTConfig
+from bpo.config import Config, ConfigError, PolicyConfig, SFTConfig
 from bpo.learner import row_chunks, token_logprobs
 from bpo.packing import pack_paths
 from bpo.policy.parsing import parse_action
@@ -28,7 +28,7 @@ from bpo.policy.protocol import SamplingParams
 from bpo.sandbox.protocol import Sandbox
 from bpo.tree import Tree, Turn
 
-__all__ = ["Agent", "Demo", "build", "collect_demos"]
+__all__ = ["Agent", "Demo", "build", "check_model", "collect_demos"]
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,71 @@ class Agent:
         return {"sft/demos": float(len(trees)), "sft/final_nll": float(np.mean(losses[-5:]))}
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _fetchers() -> list[str]:
+    from bpo.policy.models import FETCHERS
+
+    return FETCHERS.names()
+
+
+def check_model(p: PolicyConfig) -> None:
+    """Fail fast, naming the key and the fix, when ``policy`` cannot be built: the backend, the
+    dtype, and that ``policy.model`` is ``tiny``, a fetchable name, or a local directory
+    holding a causal (decoder-only) language model with its tokenizer. Reads ``config.json``
+    only: no weights are loaded."""
+    if p.backend != "hf":
+        raise ConfigError(f"policy.backend={p.backend!r} is not available in this build; use hf")
+    if p.dtype not in _DTYPES:
+        raise ConfigError(f"policy.dtype={p.dtype!r} is not valid; valid: {', '.join(_DTYPES)}")
+    if p.model == "tiny" or p.model in _fetchers():
+        return
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    path = Path(p.model)
+    names = ", ".join(["tiny", *_fetchers()])
+    if not path.is_dir():
+        raise ConfigError(
+            f"policy.model={p.model!r}: no such directory; give a local transformers model "
+            f"directory (with config.json) or one of: {names}"
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"policy.model={p.model!r}: no transformers model directory there (config.json "
+            f"missing); give a directory written by save_pretrained or one of: {names}"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"policy.model={p.model!r}: config.json does not load ({e})") from None
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    archs = list(getattr(config, "architectures", None) or [])
+    is_causal = (
+        any(a in causal for a in archs) if archs
+        else config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )  # fmt: skip
+    # encoder families (BERT, RoBERTa, ...) have a causal-LM class too, valid only as decoders
+    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.is_decoder
+    if not is_causal or encoder or config.is_encoder_decoder:
+        raise ConfigError(
+            f"policy.model={p.model!r} holds a {config.model_type!r} model "
+            f"({', '.join(archs) or 'no architectures listed'}), not a causal (decoder-only) "
+            f"language model; bpo trains causal LMs (Qwen2, Llama, SmolLM2, ...): point "
+            f"policy.model at one, or use one of: {names}"
+        )
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise ConfigError(
+            f"policy.model={p.model!r}: no tokenizer there ({' or '.join(_TOKENIZER_FILES)} "
+            "missing); save the tokenizer into the same directory (tokenizer.save_pretrained)"
+        )
+
+
 def build(
     cfg: Config,
     run_dir: Path,
@@ -180,6 +245,7 @@ def build(
     from bpo.policy.hf import HFPolicy
 
     p = cfg.policy
+    check_model(p)  # before the expert demos: a bad model fails before any work
     demos: list[Demo] = []
     tiny_missing = p.model == "tiny" and not (run_dir / "init-model" / "config.json").exists()
     if (need_demos and cfg.sft.episodes_per_task > 0) or tiny_missing:
@@ -193,28 +259,25 @@ def build(
             corpus = [t for d in demos for t in (d.instruction, *d.observations, *d.actions)]
             init_model(path, arch="qwen2", hidden=p.tiny_hidden, layers=p.tiny_layers,
                        tokenizer="bpe", corpus=corpus, vocab_size=2000, seed=cfg.run.seed)  # fmt: skip
-    elif p.model == "smollm2-135m":
+    elif p.model in _fetchers():
         from bpo.policy.models import fetch_model
 
-        path = fetch_model("smollm2-135m")
+        try:
+            path = fetch_model(p.model)
+        except (ModuleNotFoundError, FileNotFoundError) as e:
+            raise ConfigError(f"policy.model={p.model!r}: {e}") from None
     else:
         path = Path(p.model)
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"policy.model={p.model!r}: no transformers model directory there (config.json "
-                "missing); use 'tiny', 'smollm2-135m' or a local model path"
-            )
-    if p.backend != "hf":
-        raise ConfigError(f"policy.backend={p.backend!r} is not available in this build; use hf")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(p.dtype)
-    if dtype is None:
-        raise ConfigError(f"policy.dtype={p.dtype!r} is not valid; valid: float32, bfloat16")
+    dtype = _DTYPES[p.dtype]
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as e:
         raise ConfigError(f"policy.model={str(path)!r} is not a loadable causal LM: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(path)
-    policy = HFPolicy(model, tokenizer, seed=cfg.run.seed)
+    try:
+        policy = HFPolicy(model, tokenizer, seed=cfg.run.seed)
+    except (ValueError, NotImplementedError) as e:  # no eos token, sliding-window attention
+        raise ConfigError(f"policy.model={str(path)!r}: {e}") from None
     prompter = PromptBuilder(
         tokenizer,
         max_admissible=30 if p.show_admissible else None,

@@ -267,7 +267,10 @@ def main(argv: list[str]) -> int:
                      "sft.episodes_per_task=0"],
                 )  # fmt: skip
                 print(f"[compare] {m} seed {seed} -> {run}")
-                Trainer(cfg, run, resume=(run / "checkpoints").exists()).run()
+                res = Trainer(cfg, run, resume=(run / "checkpoints").exists()).run()
+                if res.get("interrupted"):
+                    print("bpo compare: interrupted; run the same command to continue")
+                    return 0
     except ConfigError as e:
         print(f"bpo compare: {e}")
         return 2

@@ -221,6 +221,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads 3e-5 (no dot) as a string
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
         return float(value)

@@ -112,6 +112,11 @@ class MetricsLogger:
             g = json.loads(line).get("learner/grad_norm")
             if g is not None and math.isfinite(g):
                 self.grad_norms.append(g)
+        if self._tb is not None:  # drop the lost iterations' TensorBoard events too
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=iteration + 1)
 
     def close(self) -> None:
         if self._tb is not None:

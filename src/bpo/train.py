@@ -10,13 +10,26 @@ Then, every iteration:
 3. the policy's prefix cache is dropped (the weights changed);
 4. metrics (one line in ``metrics.jsonl``, TensorBoard), a checkpoint, periodic evaluation.
 
-Everything a run produces goes into its run directory.
+Everything a run produces goes into its run directory. A run stopped at any moment (killed,
+out of memory, power loss) continues with ``bpo train --resume RUN_DIR`` from its last
+checkpoint and reproduces, on the same machine, exactly what the uninterrupted run would have
+logged: the checkpoint holds the weights, the optimizer, every random stream (Python, NumPy,
+torch, the policy's sampling generator, the task sampler), the branch rule's state and the cost
+model, and ``metrics.jsonl`` and ``trees.jsonl`` are cut back to the checkpoint. Ctrl-C
+(SIGINT) finishes the iteration in flight, saves a checkpoint and exits 0; a second Ctrl-C stops
+at once (the iteration in flight is lost). A bad config fails in :func:`preflight`, before any
+work, with a message that names the key and the fix.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
+import random
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,16 +42,23 @@ import yaml
 
 from bpo import agent, estimators
 from bpo.branching import BranchRule, make_rule
-from bpo.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from bpo.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from bpo.config import Config, ConfigError, load_config, to_dict
 from bpo.learner import Learner
 from bpo.metrics import MetricsLogger, tree_metrics
+from bpo.registry import UnknownNameError
 from bpo.report import write_run_report
 from bpo.rollout import Budget, RolloutConfig, RolloutEngine
-from bpo.sandbox import list_tasks, make_env
+from bpo.sandbox import BACKENDS, env_spec, list_tasks, make_env
 from bpo.tree import Tree
 
-__all__ = ["EvalResult", "Trainer", "main"]
+__all__ = ["EvalResult", "Trainer", "main", "preflight"]
 
 
 @dataclass(frozen=True)
@@ -74,41 +94,22 @@ class Trainer:
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
+        """Check the config (:func:`preflight`) and the run directory, then build tasks, agent,
+        learner and rollout engine. Bad input fails here, before any expensive work."""
         cfg = self.cfg
+        preflight(cfg)
+        self._check_run_dir()
+        s = cfg.sandbox
+        self.env_factory = lambda: make_env(s.name, s.backend, **s.options)
+        self._check_env()
+        self.train_tasks = self._tasks(s.train_split, s.num_train_tasks)
+        self.eval_tasks = self._tasks(s.eval_split, s.num_eval_tasks)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        cfg_path = self.run_dir / "config.yaml"
-        resolved = to_dict(cfg)
-        if self.resume:
-            if not cfg_path.exists():
-                raise ConfigError(f"--resume {self.run_dir}: no config.yaml there (not a run dir)")
-            old = yaml.safe_load(cfg_path.read_text())
-            if old != resolved:
-                diff = sorted(
-                    f"{s}.{k}" for s in resolved for k in resolved[s]
-                    if old.get(s, {}).get(k) != resolved[s][k]
-                )  # fmt: skip
-                raise ConfigError(
-                    f"--resume {self.run_dir}: the run was made with a different config "
-                    f"(differs in {', '.join(diff[:8])}); resume without overrides or start a "
-                    "new run directory"
-                )
-        elif self.write:
-            cfg_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+        if self.write and not self.resume:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
-        s = cfg.sandbox
-        # ``n`` lets generating environments make only what is needed; others ignore it
-        self.train_tasks = list(
-            list_tasks(s.name, s.train_split, n=s.num_train_tasks, **s.options)
-        )[: s.num_train_tasks]
-        self.eval_tasks = list(list_tasks(s.name, s.eval_split, n=s.num_eval_tasks, **s.options))[
-            : s.num_eval_tasks
-        ]
-        if not self.train_tasks or not self.eval_tasks:
-            raise ConfigError(
-                f"sandbox {s.name!r} listed no tasks for {s.train_split}/{s.eval_split}"
-            )
-        self.env_factory = lambda: make_env(s.name, s.backend, **s.options)
         resuming = (self.resume or not self.write) and (self.run_dir / "checkpoints").exists()
         self.bundle = agent.build(
             cfg, self.run_dir, self.env_factory, self.train_tasks, need_demos=not resuming
@@ -128,11 +129,65 @@ class Trainer:
         if self.write:
             self.metrics = MetricsLogger(self.run_dir)
 
+    def _check_run_dir(self) -> None:
+        """``--resume``: the directory holds a run made with this very config. A new run: the
+        directory holds no run with checkpoints (it would be overwritten)."""
+        d, cfg_path = self.run_dir, self.run_dir / "config.yaml"
+        if self.resume:
+            if not cfg_path.is_file():
+                raise ConfigError(
+                    f"--resume {d}: no config.yaml there, so not a bpo run directory; give the "
+                    "directory a run printed as 'run directory: ...'"
+                )
+            try:
+                saved = to_dict(load_config(cfg_path))
+            except ConfigError as e:
+                raise ConfigError(f"--resume {d}: its config.yaml does not load: {e}") from None
+            now = to_dict(self.cfg)
+            diff = [f"{s}.{k}" for s in now for k in now[s] if saved[s][k] != now[s][k]]
+            if diff:
+                raise ConfigError(
+                    f"--resume {d}: the run was made with a different config (differs in "
+                    f"{', '.join(diff[:8])}); resume without overrides or --config, or start a "
+                    "new run directory"
+                )
+        elif self.write and (d / "checkpoints").exists():
+            raise ConfigError(
+                f"{d} already holds a run (it has checkpoints); continue it with "
+                f"'bpo train --resume {d}', or give a new --out or run.name"
+            )
+
+    def _check_env(self) -> None:
+        """Make (and close) one sandbox, so that bad ``sandbox.options`` fail before any work."""
+        s = self.cfg.sandbox
+        try:
+            self.env_factory().close()
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"sandbox.options={s.options} (sandbox {s.name!r}): {e}") from None
+        except ImportError as e:
+            raise ConfigError(
+                f"sandbox.name={s.name!r} needs a package that is not installed ({e}); install "
+                f"it with: pip install 'bpo[{s.name}]'"
+            ) from None
+
+    def _tasks(self, split: str, n: int) -> list[str]:
+        s = self.cfg.sandbox
+        # ``n`` lets generating environments (textworld) make only the games needed; it is
+        # passed only to task listers that take it (alfworld rejects unknown options)
+        extra = {"n": n} if "n" in inspect.signature(env_spec(s.name).tasks).parameters else {}
+        try:
+            tasks = list(list_tasks(s.name, split, **extra, **s.options))[:n]
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"sandbox {s.name!r}, split {split!r}: {e}") from None
+        if not tasks:
+            raise ConfigError(
+                f"sandbox {s.name!r} listed no tasks for split {split!r} with options "
+                f"{s.options}; check sandbox.train_split / sandbox.eval_split and sandbox.options"
+            )
+        return tasks
+
     def _make_rule(self) -> BranchRule:
-        t = self.cfg.tree
-        if t.rule == "none":
-            return make_rule("none", **t.options)
-        return make_rule(t.rule, k=t.k, **t.options)
+        return _rule(self.cfg)
 
     def _engine(
         self, rule: BranchRule, width: int, temperature: float, budget: Budget
@@ -169,6 +224,7 @@ class Trainer:
         state = {
             "iteration": self.iteration,
             "updates": self.learner.updates,
+            "bad_in_a_row": self.learner.bad_in_a_row,
             "rng": rng_state(),
             "task_rng": self.task_rng.bit_generator.state,
             "rule": self.rule,
@@ -176,10 +232,12 @@ class Trainer:
             "policy_rng": self.bundle.policy_rng_state(),
             "eval_before": getattr(self, "eval_before", None),
         }
-        return save_checkpoint(
+        path = save_checkpoint(
             self.run_dir / "checkpoints", self.iteration, self.bundle.trainable_state(),
             self.learner.optimizer.state_dict(), state,
         )  # fmt: skip
+        self.saved_at = self.iteration
+        return path
 
     def load(self) -> bool:
         root = self.run_dir / "checkpoints"
@@ -193,6 +251,7 @@ class Trainer:
         st = ck.state
         self.iteration = int(st["iteration"])
         self.learner.updates = int(st["updates"])
+        self.learner.bad_in_a_row = int(st.get("bad_in_a_row", 0))
         set_rng_state(st["rng"])
         self.task_rng.bit_generator.state = st["task_rng"]
         self.rule = st["rule"]
@@ -200,15 +259,38 @@ class Trainer:
         self.engine.costs.load_state_dict(st["costs"])
         self.bundle.set_policy_rng_state(st["policy_rng"])
         self.eval_before = st.get("eval_before")
-        self.metrics.truncate_after(self.iteration)
+        self.saved_at = self.iteration
+        self._truncate_logs(self.iteration)
         self.log(f"[resume] from {ck.path.name} (iteration {self.iteration})")
         return True
 
+    def _truncate_logs(self, iteration: int) -> None:
+        """Drop what was logged after checkpoint ``iteration`` (and lines cut by a crash)."""
+        self.metrics.truncate_after(iteration)
+        path = self.run_dir / "trees.jsonl"
+        if not path.exists():
+            return
+        tmp = path.with_suffix(".jsonl.tmp")
+        with open(path) as src, open(tmp, "w") as dst:
+            for line in src:
+                try:
+                    keep = json.loads(line).get("iteration", 0) <= iteration
+                except json.JSONDecodeError:
+                    continue  # a line cut by a crash
+                if keep:
+                    dst.write(line if line.endswith("\n") else line + "\n")
+        os.replace(tmp, path)
+
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Set up, warm-start (or resume), train, evaluate; returns the summary (also written to
+        ``summary.json`` unless the run was interrupted before its last iteration)."""
         cfg = self.cfg
         self.setup()
         resumed = self.resume and self.load()
+        if self.resume and not resumed:
+            self.log(f"[resume] no checkpoint in {self.run_dir} yet: starting from the beginning")
+            self._truncate_logs(0)
         if not resumed:
             if cfg.sft.episodes_per_task > 0:
                 sft = self.bundle.warm_start(cfg.sft, cfg.run.seed)
@@ -220,29 +302,52 @@ class Trainer:
 
         def on_sigint(signum: int, frame: Any) -> None:
             stop["flag"] = True
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second one stops at once
+            os.write(2, b"\n[interrupt] finishing this iteration, then a checkpoint; press Ctrl-C "
+                        b"again to stop at once (this iteration is lost)\n")  # fmt: skip
 
-        old = signal.signal(signal.SIGINT, on_sigint)
+        main_thread = threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
         try:
             while self.iteration < cfg.run.iterations and not stop["flag"]:
                 self._iteration()
         finally:
-            signal.signal(signal.SIGINT, old)
-            if stop["flag"]:
-                self.save()
-                self.log(f"[interrupted] checkpoint saved at iteration {self.iteration}")
+            if main_thread:
+                signal.signal(signal.SIGINT, old)
+        if stop["flag"] and self.iteration < cfg.run.iterations:
+            return self._interrupted()
         after = self.evaluate()
         summary = {
             "eval_before": self.eval_before.__dict__ if self.eval_before else None,
             "eval_after": after.__dict__,
             "iterations": self.iteration,
             "policy_updates": self.learner.updates,
-            "interrupted": stop["flag"],
+            "interrupted": False,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.log(f"[report] {write_run_report(self.run_dir)}")
         self.metrics.close()
         self.engine.close()
         return summary
+
+    def _interrupted(self) -> dict[str, Any]:
+        """After Ctrl-C: a checkpoint of the last finished iteration; no final evaluation and
+        no ``summary.json`` (the run is not finished)."""
+        if getattr(self, "saved_at", None) != self.iteration:
+            self.save()
+        self.log(
+            f"[interrupted] checkpoint saved at iteration {self.iteration}/"
+            f"{self.cfg.run.iterations}; continue with: bpo train --resume {self.run_dir}"
+        )
+        self.metrics.close()
+        self.engine.close()
+        return {
+            "eval_before": self.eval_before.__dict__ if self.eval_before else None,
+            "eval_after": None,
+            "iterations": self.iteration,
+            "policy_updates": self.learner.updates,
+            "interrupted": True,
+        }
 
     def _iteration(self) -> None:
         cfg = self.cfg
@@ -295,6 +400,69 @@ class Trainer:
                 f.write(json.dumps(d) + "\n")
 
 
+def _rule(cfg: Config) -> BranchRule:
+    t = cfg.tree
+    if t.rule == "none":
+        return make_rule("none", **t.options)
+    return make_rule(t.rule, k=t.k, **t.options)
+
+
+_AT_LEAST = {
+    "run.iterations": 1, "run.tasks_per_iteration": 1, "run.checkpoint_every": 1,
+    "run.max_steps": 1, "run.concurrency": 1, "run.log_trees": 0,
+    "sandbox.num_train_tasks": 1, "sandbox.num_eval_tasks": 1, "eval.every": 0,
+    "eval.episodes_per_task": 1, "sft.episodes_per_task": 0, "sft.epochs": 1,
+    "sft.batch_size": 1, "tree.root_width": 1, "policy.max_new_tokens": 1,
+}  # fmt: skip
+
+
+def preflight(cfg: Config) -> None:
+    """Check what loading the config cannot (ranges, registered names, rule, estimator and
+    sandbox options, the model directory), before any work: nothing is written, no model is
+    loaded, no episode is run. Raises :class:`ConfigError` naming the key and the fix."""
+    values = to_dict(cfg)
+    for key, low in _AT_LEAST.items():
+        section, name = key.split(".")
+        if values[section][name] < low:
+            raise ConfigError(f"{key}={values[section][name]} is not valid; it must be >= {low}")
+    if cfg.budget.amount <= 0:
+        raise ConfigError(f"budget.amount={cfg.budget.amount} is not valid; it must be > 0")
+    s = cfg.sandbox
+    try:
+        env_spec(s.name)
+    except UnknownNameError as e:
+        raise ConfigError(f"sandbox.name={s.name!r}: {e} (bpo check-sandbox --list)") from None
+    if s.backend not in BACKENDS:
+        raise ConfigError(
+            f"sandbox.backend={s.backend!r} is not valid; valid: {', '.join(BACKENDS.names())}"
+        )
+    try:
+        _rule(cfg)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"tree (rule {cfg.tree.rule!r}, k={cfg.tree.k}, options {cfg.tree.options}): {e}; "
+            "see bpo.branching for each rule's options"
+        ) from None
+    est = cfg.estimator
+    if est.name == "ppo" and est.options:
+        raise ConfigError(
+            f"estimator.options={est.options}: ppo takes none; set learner.gamma and "
+            "learner.gae_lambda instead"
+        )
+    if est.name != "ppo":
+        try:  # a 2-leaf tree: unknown or invalid options fail now, not after the first rollouts
+            estimators.compute(est.name, [-1, 0, 0], [0.0, 1.0, 0.0],
+                               fingerprints=["r", "a", "b"], **est.options)  # fmt: skip
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"estimator.options={est.options}: {e}") from None
+    if cfg.learner.kl_coef > 0:
+        raise ConfigError(
+            f"learner.kl_coef={cfg.learner.kl_coef}: a KL penalty needs a frozen reference "
+            "model, which bpo train does not build yet; set learner.kl_coef=0"
+        )
+    agent.check_model(cfg.policy)
+
+
 def main(argv: list[str]) -> int:
     import argparse
 
@@ -304,12 +472,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     ap.add_argument("--out", help="run directory (default: runs/<method>-<time>)")
     args = ap.parse_args(argv)
+    run_dir = Path(args.resume or args.out or ".")
     try:
         if args.resume:
             run_dir = Path(args.resume)
             cfg_file = run_dir / "config.yaml"
             if not cfg_file.exists():
-                raise ConfigError(f"--resume {run_dir}: no config.yaml (not a bpo run directory)")
+                raise ConfigError(
+                    f"--resume {run_dir}: no config.yaml there, so not a bpo run directory; give "
+                    "the directory a run printed as 'run directory: ...'"
+                )
             cfg = load_config(args.config or cfg_file, args.overrides)
         else:
             cfg = load_config(args.config or default_config_path(), args.overrides)
@@ -321,8 +493,20 @@ def main(argv: list[str]) -> int:
         trainer = Trainer(cfg, run_dir, resume=bool(args.resume))
         summary = trainer.run()
     except ConfigError as e:
-        print(f"bpo train: {e}")
+        print(f"bpo train: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"bpo train: --resume {run_dir}: {e}; start a new run instead", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        found = any((run_dir / "checkpoints").glob("iter-*"))
+        hint = f"resume with: bpo train --resume {run_dir}" if found else "no checkpoint yet"
+        print(f"\nbpo train: stopped at once, losing the work since the last checkpoint ({hint})",
+              file=sys.stderr)  # fmt: skip
+        return 130
+    if summary["interrupted"]:
+        print(f"run directory: {run_dir}")
+        return 0
     before = summary["eval_before"]["success"] if summary["eval_before"] else float("nan")
     print(f"held-out success: before {before:.3f} -> after {summary['eval_after']['success']:.3f}")
     print(f"run directory: {run_dir}")

@@ -96,6 +96,7 @@ class Jvm:
                 port, proc = launch_gateway(
                     classpath=classpath, javaopts=opts, java_path=java, die_on_exit=True,
                     cwd=cwd, redirect_stderr=stderr, return_proc=True,
+                    create_new_process_group=True,  # a terminal's Ctrl-C goes to bpo only
                 )
             except (OSError, ValueError) as err:  # ValueError: no port printed (JVM died)
                 stderr.seek(0)

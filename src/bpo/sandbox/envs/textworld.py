@@ -342,6 +342,8 @@ def make(backend: str = "auto", **options: Any) -> Sandbox:
     """A sandbox over a :class:`TextWorldEngine` (``auto`` picks the native backend)."""
     from bpo.sandbox import make_sandbox
 
+    for key in ("n", "challenge", "level", "start"):  # task-listing options (see tasks())
+        options.pop(key, None)
     return make_sandbox(lambda: TextWorldEngine(**options), backend=backend)
 
 
