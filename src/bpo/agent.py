@@ -107,7 +107,16 @@ class Agent:
         with torch.no_grad():
             for n, v in state.items():
                 params[n].copy_(v)
-        self.policy.clear_cache()
+        self.sync_policy()
+
+    def sync_policy(self) -> None:
+        """After the weights changed: push them to an inference engine that holds its own copy
+        (vLLM), or drop the prefix cache of one that shares the module (transformers)."""
+        push = getattr(self.policy, "update_weights", None)
+        if push is not None:
+            push(self.model.state_dict())
+        else:
+            self.policy.clear_cache()
 
     def policy_rng_state(self) -> torch.Tensor:
         return self.policy._gen.get_state()
@@ -163,7 +172,7 @@ class Agent:
                 opt.step()
                 losses.append(loss_sum)
         self.model.eval()
-        self.policy.clear_cache()
+        self.sync_policy()
         return {"sft/demos": float(len(trees)), "sft/final_nll": float(np.mean(losses[-5:]))}
 
 
@@ -182,8 +191,17 @@ def check_model(p: PolicyConfig) -> None:
     dtype, and that ``policy.model`` is ``tiny``, a fetchable name, or a local directory
     holding a causal (decoder-only) language model with its tokenizer. Reads ``config.json``
     only: no weights are loaded."""
-    if p.backend != "hf":
-        raise ConfigError(f"policy.backend={p.backend!r} is not available in this build; use hf")
+    if p.backend not in ("hf", "vllm"):
+        raise ConfigError(f"policy.backend={p.backend!r} is not valid; valid: hf, vllm")
+    if p.backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "policy.backend='vllm' needs vLLM: `make setup-vllm` (a separate venv, "
+                ".venv-vllm) or `pip install 'bpo[vllm]'`, then uninstall torchvision, "
+                "torchaudio and torchcodec (they break `import vllm` beside torch 2.13)"
+            )
     if p.dtype not in _DTYPES:
         raise ConfigError(f"policy.dtype={p.dtype!r} is not valid; valid: {', '.join(_DTYPES)}")
     if p.model == "tiny" or p.model in _fetchers():
@@ -275,7 +293,15 @@ def build(
         raise ConfigError(f"policy.model={str(path)!r} is not a loadable causal LM: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(path)
     try:
-        policy = HFPolicy(model, tokenizer, seed=cfg.run.seed)
+        if p.backend == "vllm":
+            from bpo.policy.vllm import VLLMPolicy
+
+            policy = VLLMPolicy(
+                path, tokenizer, dtype=p.dtype, seed=cfg.run.seed,
+                max_model_len=p.max_context_tokens + p.max_new_tokens,
+            )  # fmt: skip
+        else:
+            policy = HFPolicy(model, tokenizer, seed=cfg.run.seed)
     except (ValueError, NotImplementedError) as e:  # no eos token, sliding-window attention
         raise ConfigError(f"policy.model={str(path)!r}: {e}") from None
     prompter = PromptBuilder(

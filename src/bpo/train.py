@@ -365,8 +365,8 @@ class Trainer:
         t1 = time.perf_counter()
         # 2. update
         upd = self.learner.update(trees, cfg.estimator.name, **cfg.estimator.options)
-        # 3. the weights changed: cached prefixes are stale
-        self.bundle.policy.clear_cache()
+        # 3. the weights changed: cached prefixes are stale (or the engine's copy is)
+        self.bundle.sync_policy()
         self.iteration += 1
         # 4. metrics, checkpoint, evaluation
         m = {**tree_metrics(trees), **upd, "time/rollout_s": t1 - t0,

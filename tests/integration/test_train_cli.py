@@ -141,4 +141,4 @@ def test_cpu_configs_pass_preflight() -> None:
         preflight(load_config(path))
     gpu = load_config(CONFIGS / "gpu" / "qwen2.5-7b-alfworld.yaml")
     with pytest.raises(ConfigError, match=r"policy\.backend='vllm'"):
-        preflight(gpu)  # until bpo train builds the vLLM policy (the file's header says so)
+        preflight(gpu)  # the main venv has no vLLM (it lives in .venv-vllm: make setup-vllm)
