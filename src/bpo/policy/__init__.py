@@ -28,6 +28,15 @@ def _hf(model: str | os.PathLike[str] | Any, **options: Any) -> Policy:
     return HFPolicy(model, **options)
 
 
+@POLICIES.register("vllm")
+def _vllm(model: str | os.PathLike[str] | Any, **options: Any) -> Policy:
+    """vLLM in-process: prefix caching, weight sync (options: see ``VLLMPolicy``; needs the
+    ``bpo[vllm]`` extra, installed by ``make setup-vllm``)."""
+    from bpo.policy.vllm import VLLMPolicy
+
+    return VLLMPolicy(model, **options)
+
+
 def make_policy(name: str, model: str | os.PathLike[str] | Any, **options: Any) -> Policy:
     """Build the policy backend ``name`` (e.g. "hf") over ``model`` (a directory or module)."""
     return POLICIES.get(name)(model, **options)
