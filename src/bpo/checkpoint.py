@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 __all__ = [
     "CheckpointError",
@@ -79,10 +80,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
+def _write(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file and fsync it.
+
+    Every file goes through Python's file API so that a full disk is an ``OSError`` (ENOSPC):
+    safetensors and ``torch.save`` writing a file themselves report it as ``SafetensorError``
+    and ``RuntimeError("... unexpected pos ...")``.
+    """
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -116,23 +130,18 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
-                  str(tmp / "model.safetensors"))  # fmt: skip
-        torch.save(optimizer, tmp / "optimizer.pt")
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        (tmp / "state.pt").write_bytes(buf.getvalue())
+        tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
+        _write(tmp / "model.safetensors", safetensors_bytes(tensors))
+        _write(tmp / "optimizer.pt", _torch_bytes(optimizer))
+        _write(tmp / "state.pt", _torch_bytes(state))
         files = ["model.safetensors", "optimizer.pt", "state.pt"]
-        for name in files:
-            _fsync_file(tmp / name)
         manifest = {
             "iteration": iteration,
             "files": {
                 n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in files
             },
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _fsync_file(tmp / MANIFEST)
+        _write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)

@@ -209,6 +209,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        _check_writable(value, key)
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
@@ -228,12 +229,38 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{key} is too large for a float: {value!r}") from None
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return value
     return value
+
+
+_MAX_VALUES = 100_000
+_MAX_DEPTH = 64
+
+
+def _check_writable(value: Any, key: str) -> None:
+    """Refuse values that a run could not write back to its config.yaml: self-referencing YAML
+    aliases (``&a [*a]``), aliases that expand to huge trees, absurd nesting."""
+    stack = [(value, 0)]
+    count = 0
+    while stack:
+        x, depth = stack.pop()
+        count += 1
+        if count > _MAX_VALUES or depth > _MAX_DEPTH:
+            raise ConfigError(
+                f"{key} is too large or nested too deeply (over {_MAX_VALUES} values or "
+                f"{_MAX_DEPTH} levels); a YAML alias that refers to itself, such as '&a [*a]'?"
+            )
+        if isinstance(x, Mapping):
+            stack.extend((v, depth + 1) for v in x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend((v, depth + 1) for v in x)
 
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
@@ -267,10 +294,15 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return fix(out)
 
 
+# What yaml.safe_load raises besides YAMLError: ValueError from its constructors (a date such
+# as 2001-13-45, an integer over 4,300 digits) and RecursionError (deeply nested brackets).
+_YAML_ERRORS = (yaml.YAMLError, ValueError, RecursionError)
+
+
 def _parse_value(text: str) -> Any:
     try:
         return yaml.safe_load(text)
-    except yaml.YAMLError:
+    except _YAML_ERRORS:
         return text
 
 
@@ -310,8 +342,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read as UTF-8 text: {e}") from None
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except _YAML_ERRORS as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")

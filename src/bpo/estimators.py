@@ -66,8 +66,15 @@ def index_tree(parents: Sequence[int], rewards: Sequence[float]) -> TreeIndex:
 
     Raises :class:`TreeError` naming the problem.
     """
-    p = np.asarray(parents)
-    r = np.asarray(rewards, dtype=np.float64)
+    try:
+        p = np.asarray(parents)
+        r = np.asarray(rewards, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError) as e:  # strings, complex, ints over 64 bits
+        raise TreeError(
+            f"parents must be node indices and rewards real numbers ({type(e).__name__}: {e})"
+        ) from None
+    if p.dtype.kind not in "iuf":
+        raise TreeError(f"parents must be integers (node indices), got dtype {p.dtype}")
     if p.ndim != 1 or r.ndim != 1:
         raise TreeError(f"parents and rewards must be 1-D, got shapes {p.shape} and {r.shape}")
     n = len(p)
@@ -158,7 +165,13 @@ def compute(
             f"fingerprints has {len(fingerprints)} entries but the tree has "
             f"{len(tree.parents)} nodes; give one per node (the state each node stands for)"
         )
-    return fn(tree, fingerprints=fingerprints, **options)
+    out = fn(tree, fingerprints=fingerprints, **options)
+    if not (np.all(np.isfinite(out.advantage)) and np.all(np.isfinite(out.weight))):
+        raise TreeError(
+            f"estimator {name!r} gave non-finite advantages: the returns overflow float64 "
+            f"(largest |reward| {float(np.abs(tree.rewards).max()):g}); rescale the rewards"
+        )
+    return out
 
 
 def names() -> list[str]:

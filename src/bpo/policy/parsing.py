@@ -17,7 +17,7 @@ from dataclasses import dataclass
 _TAG = re.compile(r"<action>(.*?)(?:</action>|$)", re.IGNORECASE | re.DOTALL)
 _FENCE = re.compile(r"```[^\n`]*\n?(.*?)(?:```|$)", re.DOTALL)
 _MARKED = re.compile(
-    r"^\W*(?:next\s+|final\s+)?(?:action|command|answer)\W*?\s*[:：=-]\s*(.*)$", re.IGNORECASE
+    r"^\W*(?:next\s+|final\s+)?(?:action|command|answer)[^\w:：=-]*[:：=-]\s*(.*)$", re.IGNORECASE
 )
 _LABEL = re.compile(
     r"^\W*(?:thought|thinking|reasoning|observation|explanation|plan)\s*[:：]", re.I
@@ -86,12 +86,12 @@ def _candidates(raw: str) -> list[str]:
                 rest = lines[i + 1]
             marked.append(rest)
     plain = [ln for ln in lines if not _LABEL.match(ln) and not _MARKED.match(ln)]
-    out: list[str] = []
+    out: dict[str, None] = {}  # ordered, O(1) membership: linear time on many lines
     for cand in [*marked, *plain, *lines]:
         c = _clean(cand)
         if c and c not in out and c.lower() not in _ROLES:
-            out.append(c)
-    return out
+            out[c] = None
+    return list(out)
 
 
 def _clean(text: str) -> str:

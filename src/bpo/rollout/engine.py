@@ -19,6 +19,7 @@ method spends the same expected cost in the chosen unit (see ``bpo.rollout.budge
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -156,19 +157,27 @@ class RolloutEngine:
         free = self._ensure_sandboxes(min(self.config.concurrency, len(tasks)))
         live: dict[int, _TreeRun] = {}
         done: dict[int, Tree] = {}
-        while todo or live:
-            while todo and free:
-                i, (task, seed) = todo.popleft()
-                live[i] = self._start(task, seed, free.pop())
-            ready = [i for i, r in live.items() if r.cursor is not None]
-            if ready:
-                self._turn([live[i] for i in ready])
-            for i in list(live):
-                run = live[i]
-                if run.cursor is None and not self._next_rollout(run):
-                    done[i] = self._finish(run)
-                    free.append(run.sandbox)
-                    del live[i]
+        try:
+            while todo or live:
+                while todo and free:
+                    i, (task, seed) = todo.popleft()
+                    live[i] = self._start(task, seed, free.pop())
+                ready = [i for i, r in live.items() if r.cursor is not None]
+                if ready:
+                    self._turn([live[i] for i in ready])
+                for i in list(live):
+                    run = live[i]
+                    if run.cursor is None and not self._next_rollout(run):
+                        done[i] = self._finish(run)
+                        free.append(run.sandbox)
+                        del live[i]
+        except BaseException:
+            # an error (a dead engine, say) aborts the batch; there are no retries yet, so the
+            # trees in flight are dropped and must give back their snapshots, or the sandboxes
+            # (reused by the next run) would hold them for good
+            for run in live.values():
+                self._abandon(run)
+            raise
         self.rule.end_iteration()
         self.costs.end_iteration()
         return [done[i] for i in range(len(tasks))]
@@ -381,6 +390,15 @@ class RolloutEngine:
 
     def _release(self, run: _TreeRun, snap: Snapshot) -> None:
         run.sandbox.release(snap)
+
+    def _abandon(self, run: _TreeRun) -> None:
+        """Release every snapshot a dropped tree still holds; errors here are secondary."""
+        snaps = [p.snapshot for p in run.pending] + [s for _, s, _ in run.backbone]
+        run.pending.clear()
+        run.backbone = []
+        for snap in snaps:
+            with contextlib.suppress(Exception):
+                run.sandbox.release(snap)
 
 
 def _turn_entropy(entropies: Sequence[float], mode: str) -> float:

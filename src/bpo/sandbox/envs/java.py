@@ -57,6 +57,14 @@ def find_java() -> str:
     )
 
 
+def java_text(text: str) -> str:
+    """``text`` as py4j can send it: py4j encodes strings as UTF-8, which cannot carry lone
+    surrogates (a ``str`` may hold them), and the failed send would turn a malformed action
+    into an error instead of an observation. Surrogate pairs are joined, lone ones become
+    U+FFFD."""
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
 def check_backend(backend: str) -> None:
     """Reject snapshot backends that cannot hold a JVM's state: "fork" would share one JVM
     between frozen copies of the engine process, "pickle" cannot pickle a JVM, and these

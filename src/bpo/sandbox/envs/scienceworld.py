@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bpo.sandbox.envs import ENVS
-from bpo.sandbox.envs.java import Jvm
+from bpo.sandbox.envs.java import Jvm, java_text
 from bpo.sandbox.envs.java import check_backend as _check_backend
 from bpo.sandbox.protocol import EnvSpec, Observation, Sandbox, SandboxError, StepResult
 
@@ -266,7 +266,7 @@ class ScienceWorldEngine:
 
     def _raw_step(self, action: str) -> None:
         try:
-            self._text = str(self._call(self._server.step, str(action)))
+            self._text = str(self._call(self._server.step, java_text(str(action))))
         except BaseException:
             self._task = None  # the simulator's state is unknown: the next replay reloads
             raise

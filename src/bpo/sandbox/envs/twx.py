@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bpo.sandbox.envs import ENVS
-from bpo.sandbox.envs.java import Jvm
+from bpo.sandbox.envs.java import Jvm, java_text
 from bpo.sandbox.envs.java import check_backend as _check_backend
 from bpo.sandbox.protocol import EnvSpec, Observation, Sandbox, SandboxError, StepResult
 
@@ -238,7 +238,7 @@ class TwxEngine:
         self._fingerprint = None
 
     def _raw_step(self, action: str) -> str:
-        reply = str(self._call(self._server.stepJSON, str(action)))
+        reply = str(self._call(self._server.stepJSON, java_text(str(action))))
         self._actions.append(action)
         self._fingerprint = None
         return reply
