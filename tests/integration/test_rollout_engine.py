@@ -128,7 +128,7 @@ def test_expected_budget_fixes_every_width_before_sampling(agent):
                 assert len(node.children) == node.branch_k  # never cut after the decision
     used_g = np.mean([tr.meta["compute"].generated_tokens for tr in g])
     used_t = np.mean([tr.meta["compute"].generated_tokens for tr in t])
-    assert 0 < used_t and 0 < used_g
+    assert used_t > 0 and used_g > 0
 
 
 def test_hard_truncating_budget_matches_within_one_turn(agent):
