@@ -301,7 +301,9 @@ def build(
                 max_model_len=p.max_context_tokens + p.max_new_tokens,
             )  # fmt: skip
         else:
-            policy = HFPolicy(model, tokenizer, seed=cfg.run.seed)
+            policy = HFPolicy(
+                model, tokenizer, seed=cfg.run.seed, cache_budget_tokens=p.cache_tokens
+            )
     except (ValueError, NotImplementedError) as e:  # no eos token, sliding-window attention
         raise ConfigError(f"policy.model={str(path)!r}: {e}") from None
     prompter = PromptBuilder(

@@ -70,6 +70,10 @@ class PolicyConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_context_tokens: int = 2048
+    cache_tokens: int = 65536
+    """HF backend: tokens of KV kept in the prefix cache. Too small a cache makes forks started
+    late recompute their context (BENCHMARKS.md, Rollout); each token costs
+    2 x layers x kv_heads x head_dim x 4 bytes (2 KB for the tiny model, 46 KB for SmolLM2)."""
     show_admissible: bool = True
     """List the admissible actions in the prompt where the environment has them."""
     snap_to_admissible: bool = False

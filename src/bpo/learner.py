@@ -26,7 +26,7 @@ import torch
 
 from bpo import estimators
 from bpo.losses import AGGREGATIONS, policy_loss
-from bpo.packing import Packed, choose_layout, pack_forest, pack_paths
+from bpo.packing import Packed, attention_pair_cost, choose_layout, pack_forest, pack_paths
 from bpo.tree import Tree
 
 __all__ = ["Learner", "LearnerConfig", "row_chunks", "token_logprobs"]
@@ -54,8 +54,9 @@ class LearnerConfig:
     layout: str = "auto"
     """Prefix sharing: "forest" (packed tree mask), "paths" (independent rows) or "auto"."""
     max_row_tokens: int = 2048
-    """Trees are packed together into one row up to this many tokens, and rows are forwarded
-    together up to this many (padded) tokens per forward pass."""
+    """Trees are packed together into one row up to this many tokens (and never wider than the
+    largest tree), and rows are forwarded together up to this many (padded) tokens per forward
+    pass."""
     temperature: float = 1.0
     """Sampling temperature: log-probs are computed from logits / temperature."""
     max_bad_steps: int = 5
@@ -251,7 +252,8 @@ class Learner:
     def pack(self, trees: Sequence[Tree]) -> Packed:
         layout = self.config.layout
         if layout == "auto":
-            layout = choose_layout(trees)
+            cost = attention_pair_cost(self.model.config)
+            layout = choose_layout(trees, cost, self.config.max_row_tokens)
         if layout == "forest":
             return pack_forest(trees, pad_id=self.pad_id, max_row_tokens=self.config.max_row_tokens)
         return pack_paths(trees, pad_id=self.pad_id)

@@ -9,7 +9,8 @@ root-to-leaf path read as its own sequence) up to float error.
 The mask is an *additive float* mask (0 where visible, dtype-min elsewhere): transformers
 passes a custom 4D mask through for Qwen2 and Llama, and a boolean 4D mask is silently wrong
 under eager attention (MACHINE.md). The dense ``[L, L]`` mask costs O(L^2), which is why
-:func:`choose_layout` falls back to independent (padded) rows when the trees share little.
+:func:`choose_layout` weighs the tokens the forest saves against its wider rows and falls back
+to independent (padded) rows when the trees share little.
 
 Written by hand because no library packs tree-structured sequences for training: TRL, verl and
 OpenRLHF pack *independent* sequences (block-diagonal masks), not shared prefixes.
@@ -25,7 +26,15 @@ import torch
 
 from bpo.tree import Tree
 
-__all__ = ["ActionTokens", "Packed", "choose_layout", "pack_forest", "pack_paths"]
+__all__ = [
+    "ActionTokens",
+    "Packed",
+    "attention_pair_cost",
+    "choose_layout",
+    "layout_costs",
+    "pack_forest",
+    "pack_paths",
+]
 
 
 @dataclass(frozen=True)
@@ -145,19 +154,21 @@ def pack_forest(
     dtype: torch.dtype = torch.float32,
     max_row_tokens: int | None = None,
 ) -> Packed:
-    """Each tree's unique tokens once; trees share a row while it has room (block-diagonal)."""
+    """Each tree's unique tokens once; consecutive trees share a row (block-diagonal) while it
+    has room: up to ``max_row_tokens``, and never wider than the largest tree, since every row
+    is padded to that width anyway and attention costs the square of a row's width (four
+    512-token trees in one 2048-token row took 2.7x as long as four rows; BENCHMARKS.md)."""
     edges: list[tuple[int, int]] = []
+    forests = [_tree_tokens(tree) for tree in trees]
+    cap = _row_cap([len(ids) for ids, _, _ in forests], max_row_tokens)
     rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = []
-    for t, tree in enumerate(trees):
-        ids, prev, acts = _tree_tokens(tree)
-        base_edge = len(edges)
+    for t, (ids, prev, acts) in enumerate(forests):
         node_edge: dict[int, int] = {}
         for _, node, _ in acts:
             if node not in node_edge:
                 node_edge[node] = len(edges)
                 edges.append((t, node))
-        del base_edge
-        if rows and max_row_tokens and len(rows[-1][0]) + len(ids) <= max_row_tokens:
+        if rows and len(rows[-1][0]) + len(ids) <= cap:
             row_ids, row_prev, row_acts = rows[-1]
         else:
             row_ids, row_prev, row_acts = [], [], []
@@ -171,6 +182,25 @@ def pack_forest(
                 raise ValueError(f"tree {t} node {node}: an action token has no context before it")
             row_acts.append((pos + off, node_edge[node], pred, row_ids[pos + off]))
     return _to_packed(rows, edges, pad_id, dtype)
+
+
+def _row_cap(lengths: Sequence[int], max_row_tokens: int | None) -> int:
+    """Widest row that trees may share: ``max_row_tokens``, but at most the largest tree."""
+    if not max_row_tokens or not lengths:
+        return 0
+    return min(max_row_tokens, max(lengths))
+
+
+def _shared_rows(lengths: Sequence[int], max_row_tokens: int | None) -> list[int]:
+    """Row widths :func:`pack_forest` makes from trees of these token counts."""
+    cap = _row_cap(lengths, max_row_tokens)
+    rows: list[int] = []
+    for n in lengths:
+        if rows and rows[-1] + n <= cap:
+            rows[-1] += n
+        else:
+            rows.append(n)
+    return rows
 
 
 def pack_paths(
@@ -218,16 +248,71 @@ def pack_paths(
     return _to_packed(rows, edges, pad_id, dtype)
 
 
-def choose_layout(trees: Sequence[Tree], threshold: float = 0.75) -> str:
-    """ "forest" when the trees' unique tokens are at most ``threshold`` of the tokens the
-    independent layout would compute (long shared prefixes), else "paths" (MACHINE.md: the
-    dense forest mask loses when prefixes are short and branches long)."""
-    unique = total = 0
+SDPA_MASK_OVERHEAD = 4.0
+"""How much more an attention pair costs (sdpa with a dense additive mask, forward + backward,
+CPU) than its multiply-adds suggest, relative to the linear layers: a least-squares fit over
+rows of 320-2176 tokens of a tiny model gave 3.0 (BENCHMARKS.md, Learner); rounded up, which
+leans towards the padded layout when the estimate is close."""
+DEFAULT_PAIR_COST = 1e-3
+"""Cost of one attended (query, key) pair in units of one token position through the model,
+for :func:`choose_layout` when it is given no model: SmolLM2-135M's by
+:func:`attention_pair_cost` (a 0.5 M-parameter test model's is 3.9e-3, Qwen2.5-7B's 1.1e-4)."""
+
+
+def attention_pair_cost(config: object) -> float:
+    """One attended (query, key) pair's compute relative to one token position's, for a
+    transformers config (Llama / Qwen2 style): per layer, QK^T and AV take 4 * hidden
+    multiply-adds a pair, the projections and MLP 2 * their weights a token, the LM head
+    2 * hidden * vocab a token; times :data:`SDPA_MASK_OVERHEAD`. ``DEFAULT_PAIR_COST`` when the
+    config lacks those fields."""
+    try:
+        h = int(config.hidden_size)  # type: ignore[attr-defined]
+        layers = int(config.num_hidden_layers)  # type: ignore[attr-defined]
+        inter = int(config.intermediate_size)  # type: ignore[attr-defined]
+        vocab = int(config.vocab_size)  # type: ignore[attr-defined]
+        heads = int(config.num_attention_heads)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return DEFAULT_PAIR_COST
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    per_layer = 2 * h * h + 2 * h * kv * (h // heads) + 3 * h * inter  # q, o; k, v; gated MLP
+    token = 2 * (layers * per_layer + h * vocab)
+    return SDPA_MASK_OVERHEAD * 4 * layers * h / token
+
+
+def layout_costs(
+    trees: Sequence[Tree], pair_cost: float = DEFAULT_PAIR_COST, max_row_tokens: int | None = None
+) -> dict[str, float]:
+    """Estimated forward + backward cost of each layout, in token positions: every row is
+    padded to the widest one, and each row costs its width plus ``pair_cost`` * width^2 (dense
+    attention). Forest rows are grouped as :func:`pack_forest` groups them with
+    ``max_row_tokens``; paths are root-to-leaf sequences (context resets ignored)."""
+    forest_rows: list[int] = []
+    path_rows: list[int] = []
     for tree in trees:
-        lens = {}
+        lens: dict[int, int] = {}
+        unique = 0
         for i, node in enumerate(tree.nodes):
             own = len(node.obs_ids) + (len(node.turn.action_ids) if node.turn else 0)
             lens[i] = own + (lens[node.parent] if i else 0)
             unique += own
-        total += sum(lens[leaf] for leaf in tree.leaves())
-    return "forest" if unique <= threshold * max(total, 1) else "paths"
+        forest_rows.append(unique)
+        path_rows += [lens[leaf] for leaf in tree.leaves()]
+    forest_rows = _shared_rows(forest_rows, max_row_tokens)
+
+    def cost(rows: list[int]) -> float:
+        width = max(rows, default=0)
+        return len(rows) * (width + pair_cost * width * width)
+
+    return {"forest": cost(forest_rows), "paths": cost(path_rows)}
+
+
+def choose_layout(
+    trees: Sequence[Tree], pair_cost: float = DEFAULT_PAIR_COST, max_row_tokens: int | None = None
+) -> str:
+    """The layout with the lower :func:`layout_costs`: "forest" when shared prefixes save more
+    token positions than its wider rows cost in attention, else "paths". Sharing alone (unique
+    / total tokens) is not enough: a GRPO group's forest (a 128-token prompt, 8 x 256 tokens)
+    holds 0.71 of the paths' tokens but took twice their time on a 0.5 M-parameter model and
+    on SmolLM2-135M (BENCHMARKS.md, Learner). Pass ``attention_pair_cost(model.config)`` for the model being trained."""
+    costs = layout_costs(trees, pair_cost, max_row_tokens)
+    return "forest" if costs["forest"] <= costs["paths"] else "paths"

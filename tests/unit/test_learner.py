@@ -213,3 +213,19 @@ def test_gradient_is_the_update_direction_without_a_step():
         [(p.detach() - b).reshape(-1) for p, b in zip(model.parameters(), before, strict=True)]
     )
     torch.testing.assert_close(moved, -1e-2 * g, atol=1e-6, rtol=1e-4)
+
+
+def test_forest_shares_rows_up_to_the_largest_tree():
+    rng = np.random.default_rng(8)
+    trees = [random_tree(rng, prefix=40, k=3, depth=2)]
+    trees += [random_tree(rng, prefix=3, k=2, depth=1) for _ in range(2)]
+    packed = pack_forest(trees, max_row_tokens=10_000)
+    assert packed.num_rows == 2  # the two small trees share the second row
+    assert packed.input_ids.shape[1] == sum(
+        len(n.obs_ids) + (len(n.turn.action_ids) if n.turn else 0) for n in trees[0].nodes
+    )
+    model = tiny()
+    forest, paths = edge_logps(model, packed), edge_logps(model, pack_paths(trees))
+    assert forest.keys() == paths.keys()
+    for key in paths:
+        torch.testing.assert_close(forest[key], paths[key], atol=1e-5, rtol=1e-5)
