@@ -52,10 +52,10 @@ from bpo.checkpoint import (
 from bpo.config import Config, ConfigError, load_config, to_dict
 from bpo.learner import Learner
 from bpo.metrics import MetricsLogger, tree_metrics
-from bpo.registry import UnknownNameError
+from bpo.preflight import make_branch_rule, preflight
 from bpo.report import write_run_report
 from bpo.rollout import Budget, RolloutConfig, RolloutEngine
-from bpo.sandbox import BACKENDS, env_spec, list_tasks, make_env
+from bpo.sandbox import env_spec, list_tasks, make_env
 from bpo.tree import Tree
 
 __all__ = ["EvalResult", "Trainer", "main", "preflight"]
@@ -74,10 +74,6 @@ class EvalResult:
             prefix + "return": self.mean_return,
             prefix + "steps": self.mean_steps,
         }
-
-
-class Interrupted(Exception):
-    pass
 
 
 class Trainer:
@@ -118,7 +114,7 @@ class Trainer:
             self.bundle.model, cfg.learner, pad_id=self.bundle.pad_id,
             critic=cfg.estimator.name == "ppo",
         )  # fmt: skip
-        self.rule = self._make_rule()
+        self.rule = make_branch_rule(cfg)
         self.engine = self._engine(
             self.rule,
             cfg.tree.root_width,
@@ -185,9 +181,6 @@ class Trainer:
                 f"{s.options}; check sandbox.train_split / sandbox.eval_split and sandbox.options"
             )
         return tasks
-
-    def _make_rule(self) -> BranchRule:
-        return _rule(self.cfg)
 
     def _engine(
         self, rule: BranchRule, width: int, temperature: float, budget: Budget
@@ -398,69 +391,6 @@ class Trainer:
                 d = tree.to_dict(advantages=adv)
                 d["iteration"] = self.iteration
                 f.write(json.dumps(d) + "\n")
-
-
-def _rule(cfg: Config) -> BranchRule:
-    t = cfg.tree
-    if t.rule == "none":
-        return make_rule("none", **t.options)
-    return make_rule(t.rule, k=t.k, **t.options)
-
-
-_AT_LEAST = {
-    "run.iterations": 1, "run.tasks_per_iteration": 1, "run.checkpoint_every": 1,
-    "run.max_steps": 1, "run.concurrency": 1, "run.log_trees": 0,
-    "sandbox.num_train_tasks": 1, "sandbox.num_eval_tasks": 1, "eval.every": 0,
-    "eval.episodes_per_task": 1, "sft.episodes_per_task": 0, "sft.epochs": 1,
-    "sft.batch_size": 1, "tree.root_width": 1, "policy.max_new_tokens": 1,
-}  # fmt: skip
-
-
-def preflight(cfg: Config) -> None:
-    """Check what loading the config cannot (ranges, registered names, rule, estimator and
-    sandbox options, the model directory), before any work: nothing is written, no model is
-    loaded, no episode is run. Raises :class:`ConfigError` naming the key and the fix."""
-    values = to_dict(cfg)
-    for key, low in _AT_LEAST.items():
-        section, name = key.split(".")
-        if values[section][name] < low:
-            raise ConfigError(f"{key}={values[section][name]} is not valid; it must be >= {low}")
-    if cfg.budget.amount <= 0:
-        raise ConfigError(f"budget.amount={cfg.budget.amount} is not valid; it must be > 0")
-    s = cfg.sandbox
-    try:
-        env_spec(s.name)
-    except UnknownNameError as e:
-        raise ConfigError(f"sandbox.name={s.name!r}: {e} (bpo check-sandbox --list)") from None
-    if s.backend not in BACKENDS:
-        raise ConfigError(
-            f"sandbox.backend={s.backend!r} is not valid; valid: {', '.join(BACKENDS.names())}"
-        )
-    try:
-        _rule(cfg)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(
-            f"tree (rule {cfg.tree.rule!r}, k={cfg.tree.k}, options {cfg.tree.options}): {e}; "
-            "see bpo.branching for each rule's options"
-        ) from None
-    est = cfg.estimator
-    if est.name == "ppo" and est.options:
-        raise ConfigError(
-            f"estimator.options={est.options}: ppo takes none; set learner.gamma and "
-            "learner.gae_lambda instead"
-        )
-    if est.name != "ppo":
-        try:  # a 2-leaf tree: unknown or invalid options fail now, not after the first rollouts
-            estimators.compute(est.name, [-1, 0, 0], [0.0, 1.0, 0.0],
-                               fingerprints=["r", "a", "b"], **est.options)  # fmt: skip
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"estimator.options={est.options}: {e}") from None
-    if cfg.learner.kl_coef > 0:
-        raise ConfigError(
-            f"learner.kl_coef={cfg.learner.kl_coef}: a KL penalty needs a frozen reference "
-            "model, which bpo train does not build yet; set learner.kl_coef=0"
-        )
-    agent.check_model(cfg.policy)
 
 
 def main(argv: list[str]) -> int:
