@@ -39,7 +39,7 @@ import torch
 
 from bpo.policy.batching import BatchRunner, Request, SampleRow
 from bpo.policy.prefix_cache import PrefixCache, common_prefix_length
-from bpo.policy.protocol import PolicyStats, SamplingParams, TurnSample
+from bpo.policy.protocol import PolicyStats, SamplingParams, TurnSample, check_requests
 
 DEFAULT_PARAMS = SamplingParams(max_new_tokens=64)
 _COUNTERS = ("calls", "requests", "samples", "generated", "hit_tokens", "hits")
@@ -126,9 +126,10 @@ class HFPolicy:
         """``n`` (or ``n[i]``) samples for each context; ``result[i][j]`` is sample j of
         context i. ``n = 0`` only computes and caches the context."""
         params = params or DEFAULT_PARAMS
-        ctxs = [tuple(int(t) for t in c) for c in contexts]
-        ns = [int(n)] * len(ctxs) if isinstance(n, int) else [int(k) for k in n]
-        self._validate(ctxs, ns, params)
+        ctxs, ns = check_requests(
+            contexts, n, params,
+            vocab_size=self.model.config.vocab_size, max_positions=self.max_positions,
+        )  # fmt: skip
         if self._weights_version() != self._version:
             self.clear_cache()
         self._counts["calls"] += 1
@@ -262,24 +263,6 @@ class HFPolicy:
             finish_reason=row.finish,  # type: ignore[arg-type]
             prefill_tokens=prefill,
         )
-
-    def _validate(self, ctxs: list[tuple[int, ...]], ns: list[int], params: SamplingParams) -> None:
-        if len(ns) != len(ctxs):
-            raise ValueError(f"n has {len(ns)} entries for {len(ctxs)} contexts")
-        if any(k < 0 for k in ns):
-            raise ValueError(f"n must be >= 0, got {ns}")
-        vocab = self.model.config.vocab_size
-        for c in ctxs:
-            if not c:
-                raise ValueError("empty context: a context needs at least one token")
-            if len(c) + params.max_new_tokens > self.max_positions:
-                raise ValueError(
-                    f"context of {len(c)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
-                    f"the model's {self.max_positions} positions; lower the prompt builder's "
-                    "max_context_tokens"
-                )
-            if min(c) < 0 or max(c) >= vocab:
-                raise ValueError(f"context has token ids outside the vocabulary [0, {vocab})")
 
     def _default_stops(self) -> tuple[int, ...]:
         ids: list[int] = []

@@ -151,3 +151,35 @@ class Policy(Protocol):
         ...
 
     def stats(self) -> PolicyStats: ...
+
+
+def check_requests(
+    contexts: Sequence[Sequence[int]],
+    n: int | Sequence[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_positions: int,
+    where: str = "the model's",
+    fix: str = "",
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The arguments of :meth:`Policy.sample` normalised (contexts as int tuples, one ``n`` per
+    context) and checked, for every backend alike; errors name the problem and the fix."""
+    ctxs = [tuple(int(t) for t in c) for c in contexts]
+    ns = [int(n)] * len(ctxs) if isinstance(n, int) else [int(k) for k in n]
+    if len(ns) != len(ctxs):
+        raise ValueError(f"n has {len(ns)} entries for {len(ctxs)} contexts")
+    if any(k < 0 for k in ns):
+        raise ValueError(f"n must be >= 0, got {ns}")
+    for c in ctxs:
+        if not c:
+            raise ValueError("empty context: a context needs at least one token")
+        if len(c) + params.max_new_tokens > max_positions:
+            raise ValueError(
+                f"context of {len(c)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
+                f"{where} {max_positions} positions; lower the prompt builder's "
+                f"max_context_tokens{fix}"
+            )
+        if min(c) < 0 or max(c) >= vocab_size:
+            raise ValueError(f"context has token ids outside the vocabulary [0, {vocab_size})")
+    return ctxs, ns

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from bpo.policy.hf import END_OF_TURN_TOKENS
-from bpo.policy.protocol import PolicyStats, SamplingParams, TurnSample
+from bpo.policy.protocol import PolicyStats, SamplingParams, TurnSample, check_requests
 from bpo.policy.sampling import row_seed
 
 # The engine must live in this process (weight sync by reference, the processor's records);
@@ -258,9 +258,11 @@ class VLLMPolicy:
         """``n`` (or ``n[i]``) samples for each context; ``result[i][j]`` is sample j of
         context i. ``n = 0`` only computes and caches the context."""
         params = params or DEFAULT_PARAMS
-        ctxs = [tuple(int(t) for t in c) for c in contexts]
-        ns = [int(n)] * len(ctxs) if isinstance(n, int) else [int(k) for k in n]
-        self._validate(ctxs, ns, params)
+        ctxs, ns = check_requests(
+            contexts, n, params, vocab_size=self.vocab_size, max_positions=self.max_positions,
+            where="the engine's", fix=" (or raise max_model_len)",
+        )  # fmt: skip
+        self._check_temperature(params)
         self._counts["calls"] += 1
         self._counts["requests"] += len(ctxs)
         # 1. one request per sample; a repeated context continues its sample indices
@@ -451,29 +453,12 @@ class VLLMPolicy:
             prefill_tokens=prefill,
         )
 
-    def _validate(self, ctxs: list[tuple[int, ...]], ns: list[int], params: SamplingParams) -> None:
-        if len(ns) != len(ctxs):
-            raise ValueError(f"n has {len(ns)} entries for {len(ctxs)} contexts")
-        if any(k < 0 for k in ns):
-            raise ValueError(f"n must be >= 0, got {ns}")
+    def _check_temperature(self, params: SamplingParams) -> None:
         if params.temperature > MAX_TEMPERATURE:
             raise ValueError(
                 f"vLLM samples at temperatures up to {MAX_TEMPERATURE}, got "
                 f"{params.temperature}; use HFPolicy for hotter sampling"
             )
-        for c in ctxs:
-            if not c:
-                raise ValueError("empty context: a context needs at least one token")
-            if len(c) + params.max_new_tokens > self.max_positions:
-                raise ValueError(
-                    f"context of {len(c)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
-                    f"the engine's {self.max_positions} positions; lower the prompt builder's "
-                    "max_context_tokens (or raise max_model_len)"
-                )
-            if min(c) < 0 or max(c) >= self.vocab_size:
-                raise ValueError(
-                    f"context has token ids outside the vocabulary [0, {self.vocab_size})"
-                )
 
     def _find_stats_processor(self) -> _TemperedStats:
         executor = getattr(self.llm.llm_engine, "model_executor", None)
