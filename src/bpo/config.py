@@ -96,6 +96,12 @@ class TreeConfig:
     bpo.rollout.engine.RolloutConfig.entropy)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Extra rule options (quantile, threshold, steps, p, max_branches, max_depth, ...)."""
+    fill_budget: bool = True
+    """Expected-budget mode: widen the root with more backbones until the tree's expected cost
+    reaches the budget, as a group's does (``root_width`` is then the least width); off, a
+    stingy rule leaves budget unspent (bpo.rollout.RolloutConfig.fill_budget)."""
+    max_root_width: int = 64
+    """Most children of the root when the budget decides them (groups and fill_budget)."""
 
 
 @dataclass(frozen=True)

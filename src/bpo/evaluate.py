@@ -31,10 +31,21 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--split", help="task split (default: the run's eval split)")
     ap.add_argument("--tasks", type=int, help="number of tasks (default: the run's)")
     ap.add_argument("--json", help="write the results as JSON here")
+    ap.add_argument(
+        "overrides", nargs="*",
+        help="eval.* overrides, e.g. eval.temperature=1.0 eval.episodes_per_task=4 (sampled "
+        "success; the default is the run's eval settings, greedy unless it set others)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     try:
         run_dir, ckpt = _run_dir_of(Path(args.target))
-        overrides = []
+        bad = [o for o in args.overrides if not o.startswith("eval.")]
+        if bad:
+            raise ConfigError(
+                f"bpo eval takes only eval.* overrides (got {', '.join(bad)}); the other "
+                "settings are the run's own"
+            )
+        overrides = list(args.overrides)
         if args.split:
             overrides.append(f"sandbox.eval_split={args.split}")
         if args.tasks:

@@ -69,9 +69,12 @@ def preflight(cfg: Config) -> None:
                                fingerprints=["r", "a", "b"], **est.options)  # fmt: skip
         except (TypeError, ValueError) as e:
             raise ConfigError(f"estimator.options={est.options}: {e}") from None
-    if cfg.learner.kl_coef > 0:
+    if cfg.learner.kl_coef < 0:
+        raise ConfigError(f"learner.kl_coef={cfg.learner.kl_coef} is not valid; it must be >= 0")
+    t = cfg.tree
+    if t.fill_budget and t.max_root_width < t.root_width:
         raise ConfigError(
-            f"learner.kl_coef={cfg.learner.kl_coef}: a KL penalty needs a frozen reference "
-            "model, which bpo train does not build yet; set learner.kl_coef=0"
+            f"tree.max_root_width={t.max_root_width} is below tree.root_width={t.root_width}; "
+            "raise tree.max_root_width or set tree.fill_budget=false"
         )
     agent.check_model(cfg.policy)

@@ -23,6 +23,7 @@ work, with a message that names the key and the fix.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import os
@@ -53,6 +54,7 @@ from bpo.config import Config, ConfigError, load_config, to_dict
 from bpo.learner import Learner
 from bpo.metrics import MetricsLogger, tree_metrics
 from bpo.preflight import make_branch_rule, preflight
+from bpo.progress import IterationProgress
 from bpo.report import write_run_report
 from bpo.rollout import Budget, RolloutConfig, RolloutEngine
 from bpo.sandbox import env_spec, list_tasks, make_env
@@ -110,8 +112,13 @@ class Trainer:
         self.bundle = agent.build(
             cfg, self.run_dir, self.env_factory, self.train_tasks, need_demos=not resuming
         )
+        # KL to the frozen policy RL starts from: a copy whose weights are set after the warm
+        # start (or, on resume, from the kept iteration-0 checkpoint; see _set_reference)
+        ref = None
+        if cfg.learner.kl_coef > 0:
+            ref = copy.deepcopy(self.bundle.model).eval().requires_grad_(False)
         self.learner = Learner(
-            self.bundle.model, cfg.learner, pad_id=self.bundle.pad_id,
+            self.bundle.model, cfg.learner, ref_model=ref, pad_id=self.bundle.pad_id,
             critic=cfg.estimator.name == "ppo",
         )  # fmt: skip
         self.rule = make_branch_rule(cfg)
@@ -189,6 +196,7 @@ class Trainer:
         rc = RolloutConfig(
             root_width=width, max_steps=self.cfg.run.max_steps, budget=budget,
             entropy=self.cfg.tree.entropy, concurrency=self.cfg.run.concurrency,
+            fill_budget=self.cfg.tree.fill_budget, max_root_width=self.cfg.tree.max_root_width,
         )  # fmt: skip
         return RolloutEngine(
             b.policy, b.prompter, b.parse, rule, self.env_factory, rc, b.sampling(temperature)
@@ -252,10 +260,30 @@ class Trainer:
         self.engine.costs.load_state_dict(st["costs"])
         self.bundle.set_policy_rng_state(st["policy_rng"])
         self.eval_before = st.get("eval_before")
+        if self.learner.ref_model is not None:
+            first = root / "iter-000000"
+            if not first.is_dir():
+                raise CheckpointError(
+                    f"{first} (the warm-started policy, the KL reference) is missing"
+                )
+            self._set_reference(load_checkpoint(first).weights)
         self.saved_at = self.iteration
         self._truncate_logs(self.iteration)
         self.log(f"[resume] from {ck.path.name} (iteration {self.iteration})")
         return True
+
+    def _set_reference(self, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Set the frozen KL reference to ``weights`` (trainable parameters of a checkpoint) or
+        to the current policy."""
+        ref = self.learner.ref_model
+        if ref is None:
+            return
+        src = weights if weights is not None else self.bundle.trainable_state()
+        params = dict(ref.named_parameters())
+        with torch.no_grad():
+            for name, value in src.items():
+                if name in params:  # the value head (PPO) lives on the policy only
+                    params[name].copy_(value)
 
     def _truncate_logs(self, iteration: int) -> None:
         """Drop what was logged after checkpoint ``iteration`` (and lines cut by a crash)."""
@@ -288,6 +316,7 @@ class Trainer:
             if cfg.sft.episodes_per_task > 0:
                 sft = self.bundle.warm_start(cfg.sft, cfg.run.seed)
                 self.log(f"[warm start] {sft}")
+            self._set_reference()
             self.eval_before = self.evaluate()
             self.log(f"[eval] held-out success before RL: {self.eval_before.success:.3f}")
             self.save()
@@ -302,8 +331,10 @@ class Trainer:
         main_thread = threading.current_thread() is threading.main_thread()
         old = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
         try:
-            while self.iteration < cfg.run.iterations and not stop["flag"]:
-                self._iteration()
+            with IterationProgress(cfg.run.iterations, self.iteration) as bar:
+                while self.iteration < cfg.run.iterations and not stop["flag"]:
+                    row = self._iteration()
+                    bar.update(row["rollout/success"], row["time/tokens_per_s"])
         finally:
             if main_thread:
                 signal.signal(signal.SIGINT, old)
@@ -342,7 +373,7 @@ class Trainer:
             "interrupted": True,
         }
 
-    def _iteration(self) -> None:
+    def _iteration(self) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.perf_counter()
         # 1. rollouts
@@ -364,6 +395,7 @@ class Trainer:
         # 4. metrics, checkpoint, evaluation
         m = {**tree_metrics(trees), **upd, "time/rollout_s": t1 - t0,
              "time/iteration_s": time.perf_counter() - t0}  # fmt: skip
+        m["time/tokens_per_s"] = m["compute/generated_tokens"] / max(t1 - t0, 1e-9)
         if cfg.eval.every and self.iteration % cfg.eval.every == 0:
             m.update(self.evaluate().as_metrics())
         row = self.metrics.log(self.iteration, m)
@@ -376,6 +408,7 @@ class Trainer:
             f"tokens {row['compute/generated_tokens']:.0f} grad {row['learner/grad_norm']:.3f} "
             f"{row['time/iteration_s']:.1f}s"
         )
+        return row
 
     def _log_trees(self, trees: list[Tree]) -> None:
         est = self.cfg.estimator

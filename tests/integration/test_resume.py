@@ -34,6 +34,9 @@ ARGS = [
     # even when every return is 0 (a tiny model rarely succeeds), so a missed RNG stream or
     # a stale state shows up in the numbers
     "learner.entropy_coef=0.01", "learner.lr=0.001",
+    # the KL reference (the warm-started policy) must come back from the kept iteration-0
+    # checkpoint, and the warm-up from the update count
+    "learner.kl_coef=0.05", "learner.warmup_updates=3",
 ]  # fmt: skip
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,6 +148,7 @@ def test_resume_after_sigint_and_sigkill_reproduces_the_uninterrupted_run(tmp_pa
     rows_a, rows_b = _rows(a), _rows(b)
     assert [r["iteration"] for r in rows_b] == [1, 2, 3, 4]
     assert all(r["learner/grad_norm"] > 0 for r in rows_a), "updates must change the weights"
+    assert all(r["loss/kl"] > 0 for r in rows_a[1:]), "the policy moved away from the reference"
     for ra, rb in zip(rows_a, rows_b, strict=True):
         _same(ra, rb, f"metrics.jsonl iteration {ra['iteration']}")
     trees_a, trees_b = _trees(a), _trees(b)

@@ -34,13 +34,14 @@ def agent(tmp_path_factory):
     return model, tok, policy, prompter
 
 
-def engine(agent, rule, root_width=1, budget=None, max_steps=6, concurrency=3):
+def engine(agent, rule, root_width=1, budget=None, max_steps=6, concurrency=3, fill=False):
     _, _, policy, prompter = agent
     cfg = RolloutConfig(
         root_width=root_width,
         max_steps=max_steps,
         budget=budget or Budget("tokens", 400),
         concurrency=concurrency,
+        fill_budget=fill,
     )
     return RolloutEngine(
         policy,
@@ -129,6 +130,32 @@ def test_expected_budget_fixes_every_width_before_sampling(agent):
     used_g = np.mean([tr.meta["compute"].generated_tokens for tr in g])
     used_t = np.mean([tr.meta["compute"].generated_tokens for tr in t])
     assert used_t > 0 and used_g > 0
+
+
+def test_fill_budget_spends_what_a_group_spends(agent):
+    """A stingy branch rule leaves most of the budget unspent; with fill_budget the root gets
+    as many backbones as the budget buys (decided from earlier trees' costs, before sampling),
+    so the tree's mean cost matches the group's, and both come near the budget."""
+    budget = Budget("tokens", 240)
+    rule = lambda: make_rule("random", k=2, p=0.2)  # noqa: E731
+    group = engine(agent, make_rule("none"), root_width=64, budget=budget, max_steps=4)
+    lean = engine(agent, rule(), root_width=2, budget=budget, max_steps=4)
+    full = engine(agent, rule(), root_width=2, budget=budget, max_steps=4, fill=True)
+    spent = {}
+    try:
+        for name, eng in (("group", group), ("lean", lean), ("full", full)):
+            eng.run(TASKS)  # calibrates the cost model
+            trees = eng.run(TASKS * 2)
+            spent[name] = np.mean([t.meta["compute"].generated_tokens for t in trees])
+            if name == "full":
+                widths = [len(t.nodes[0].children) for t in trees]
+                assert min(widths) > 2 and max(widths) <= 64
+    finally:
+        for eng in (group, lean, full):
+            eng.close()
+    assert spent["lean"] < 0.5 * spent["group"]
+    assert 0.7 * spent["group"] < spent["full"] < 1.3 * spent["group"]
+    assert 0.6 * 240 < spent["full"] < 1.4 * 240
 
 
 def test_hard_truncating_budget_matches_within_one_turn(agent):

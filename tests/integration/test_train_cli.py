@@ -54,6 +54,10 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         ["--out", "OUT", "tree.k=1"],
         ["tree (rule 'entropy_quantile', k=1", "integer >= 2"],
     ),
+    "root wider than its bound": (
+        ["--out", "OUT", "tree.root_width=8", "tree.max_root_width=4"],
+        ["tree.max_root_width=4 is below tree.root_width=8", "tree.fill_budget=false"],
+    ),
     "resume a dir that is not a run": (
         ["--resume", "NOTRUN"],
         ["--resume", "no config.yaml there, so not a bpo run directory"],

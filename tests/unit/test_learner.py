@@ -229,3 +229,31 @@ def test_forest_shares_rows_up_to_the_largest_tree():
     assert forest.keys() == paths.keys()
     for key in paths:
         torch.testing.assert_close(forest[key], paths[key], atol=1e-5, rtol=1e-5)
+
+
+def test_warmup_ramps_the_learning_rate_linearly():
+    rng = np.random.default_rng(3)
+    trees = [random_tree(rng), random_tree(rng)]
+    cfg = LearnerConfig(lr=1e-3, warmup_updates=4, minibatches=2)
+    learner = Learner(tiny(), cfg)
+    seen = []
+    for _ in range(3):
+        seen.append(learner.update(trees, "bpo")["learner/lr"])
+    # updates 1-2, 3-4, 5-6: the lr of the last step of each iteration
+    assert seen == pytest.approx([1e-3 * 2 / 4, 1e-3, 1e-3])
+    with pytest.raises(ValueError, match="warmup_updates"):
+        LearnerConfig(warmup_updates=-1)
+
+
+def test_kl_to_the_reference_is_zero_until_the_policy_moves():
+    rng = np.random.default_rng(4)
+    trees = [random_tree(rng)]
+    model = tiny()
+    ref = tiny()
+    ref.load_state_dict(model.state_dict())
+    learner = Learner(model, LearnerConfig(lr=1e-2, kl_coef=0.1, epochs=2), ref_model=ref)
+    m = learner.update(trees, "bpo")
+    # epoch 1 at the reference (KL 0), epoch 2 after one step (KL > 0): the mean is > 0
+    assert m["loss/kl"] > 0
+    with pytest.raises(ValueError, match="reference model"):
+        Learner(tiny(), LearnerConfig(kl_coef=0.1))

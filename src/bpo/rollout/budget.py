@@ -108,6 +108,9 @@ class CostModel:
     """Turns of recent root-to-leaf paths."""
     per_turn: deque[float] = field(default_factory=deque)
     """Generated tokens per turn of recent trees."""
+    trees: deque[tuple[float, ...]] = field(default_factory=deque)
+    """Recent finished trees: (generated tokens, sandbox steps, leaves, rollouts run, rollouts
+    the branch rule asked for, root width)."""
 
     def observe(self, path_turns: int, tokens: int, turns: int) -> None:
         """Record one root-to-leaf path of a finished tree (and the tree's tokens per turn)."""
@@ -118,6 +121,30 @@ class CostModel:
             self.lengths.popleft()
         while len(self.per_turn) > self.window:
             self.per_turn.popleft()
+
+    def observe_tree(self, c: Compute, wanted: int, root_width: int) -> None:
+        """Record a finished tree's totals; ``wanted`` counts the rollouts it ran plus the forks
+        the budget refused."""
+        self.trees.append(
+            (c.generated_tokens, c.sandbox_steps, c.leaves, c.episodes, wanted, root_width)
+        )
+        while len(self.trees) > self.window:
+            self.trees.popleft()
+
+    def root_child_cost(self, unit: str) -> float | None:
+        """Expected cost of one root child with every rollout its branch rule asks for: the
+        rule's appetite (rollouts wanted per root child) times the mean cost of a rollout, both
+        from finished trees. Refused forks count as wanted, so a tight budget does not feed back
+        into an ever wider root."""
+        if not self.trees:
+            return None
+        tok, steps, leaves, run, wanted, width = (
+            float(sum(x)) for x in zip(*self.trees, strict=True)
+        )
+        if run <= 0 or width <= 0:
+            return None
+        spent = {"tokens": tok, "steps": steps, "leaves": leaves}[unit]
+        return (wanted / width) * (spent / run)
 
     def end_iteration(self) -> None:
         """Nothing to roll over: finished trees are used as soon as they finish."""
@@ -144,8 +171,13 @@ class CostModel:
         return turns * (per_turn if per_turn is not None else self.max_new_tokens / 2)
 
     def state_dict(self) -> dict:
-        return {"lengths": list(self.lengths), "per_turn": list(self.per_turn)}
+        return {
+            "lengths": list(self.lengths),
+            "per_turn": list(self.per_turn),
+            "trees": [list(t) for t in self.trees],
+        }
 
     def load_state_dict(self, d: dict) -> None:
         self.lengths = deque(d["lengths"])
         self.per_turn = deque(d["per_turn"])
+        self.trees = deque(tuple(t) for t in d.get("trees", []))

@@ -84,10 +84,22 @@ class RolloutConfig:
     concurrency: int = 8
     """Trees grown at once (one sandbox each); their policy calls are batched together."""
     policy_version: int = 0
+    fill_budget: bool = False
+    """Expected-budget mode, branching rules: widen the root (more backbones, each branching
+    under the rule) so that a tree's expected cost reaches the budget, as an independent group's
+    does; ``root_width`` is then the least width. Without it a stingy rule leaves budget unspent
+    and the tree is compared at less compute than the groups."""
+    max_root_width: int = 64
+    """Upper bound on the root's children when the budget decides them (groups and
+    ``fill_budget``)."""
 
     def __post_init__(self) -> None:
         if self.root_width < 1:
             raise ValueError(f"root_width must be >= 1, got {self.root_width}")
+        if self.max_root_width < self.root_width and self.fill_budget:
+            raise ValueError(
+                f"max_root_width ({self.max_root_width}) must be >= root_width ({self.root_width})"
+            )
         if self.entropy not in ENTROPY_MODES:
             raise ValueError(f"unknown entropy mode {self.entropy!r}; valid: mean, first")
         if self.max_steps < 1 or self.concurrency < 1:
@@ -121,6 +133,9 @@ class _TreeRun:
     pending: deque[_Pending] = field(default_factory=deque)
     cursor: _Cursor | None = None
     branches: int = 0
+    wanted: int = 0
+    """Rollouts the branch rule asked for (run, or refused by the budget)."""
+    root_width: int = 1
     started: float = field(default_factory=time.perf_counter)
     backbone: list[tuple[BranchPoint, Snapshot, int]] = field(default_factory=list)
     prompts: dict[int, PromptState] = field(default_factory=dict)
@@ -202,6 +217,8 @@ class RolloutEngine:
         run.tree.add_root(state.ids, obs.text, sandbox.fingerprint())
         run.prompts[0] = state
         width = self._root_width()
+        run.root_width = width
+        run.wanted = width
         if width >= 2:
             run.tree.nodes[0].branch_k = width
             run.pending.append(_Pending(0, self._snapshot(run), width - 1, 0))
@@ -211,15 +228,25 @@ class RolloutEngine:
         return run
 
     def _root_width(self) -> int:
-        """Children of the root. An independent group (a rule that never branches) in the
-        expected-budget mode gets as many episodes as the budget buys at the expected episode
-        cost of earlier iterations (at least ``min_rollouts``, at most ``root_width``); this
-        is fixed before any episode is sampled."""
+        """Children of the root, fixed before any of them is sampled, from the costs of other,
+        finished trees (causal). In the expected-budget mode an independent group (a rule that
+        never branches) gets as many episodes as the budget buys at the expected episode cost
+        (at least ``min_rollouts``, at most ``root_width``); with ``fill_budget`` a branching
+        tree gets as many backbones as the budget buys at the expected cost of a backbone with
+        the forks its rule asks for (at least ``root_width``, at most ``max_root_width``)."""
         cfg, b = self.config, self.config.budget
-        if b.mode != "expected" or getattr(self.rule, "k", 2) != 1 or cfg.root_width < 2:
+        if b.mode != "expected":
             return cfg.root_width
-        n = int(b.amount // max(self.costs.rollout_cost(b.unit, 0), 1e-9))
-        return max(b.min_rollouts, min(cfg.root_width, n))
+        if getattr(self.rule, "k", 2) == 1:
+            if cfg.root_width < 2:
+                return cfg.root_width
+            n = int(b.amount // max(self.costs.rollout_cost(b.unit, 0), 1e-9))
+            return max(b.min_rollouts, min(cfg.root_width, n))
+        per_child = self.costs.root_child_cost(b.unit) if cfg.fill_budget else None
+        if per_child is None:
+            return cfg.root_width
+        n = int(b.amount // max(per_child, 1e-9))
+        return max(cfg.root_width, min(cfg.max_root_width, n))
 
     def _reserved(self, run: _TreeRun) -> float:
         """Expected cost still to come from queued forks and the rollout in flight (expected
@@ -323,7 +350,9 @@ class RolloutEngine:
             if cur.depth == 0:  # the ablation looks at the finished backbone: keep every state
                 run.backbone.append((point, self._snapshot(run), cur.node))
             return
-        k = self._cap(run, int(self.rule.decide(point)), point.step)
+        want = int(self.rule.decide(point))
+        k = self._cap(run, want, point.step)
+        run.wanted += max(want - 1, 0)
         if k >= 2:
             run.tree.nodes[cur.node].branch_k = k
             run.pending.append(_Pending(cur.node, self._snapshot(run), k - 1, cur.depth + 1))
@@ -334,7 +363,9 @@ class RolloutEngine:
         if run.backbone:  # non-causal ablation: choose branch points now, with hindsight
             chosen = self.rule.select([p for p, _, _ in run.backbone])
             for point, snap, node in run.backbone:
-                k = self._cap(run, chosen.get(point.step, 1), point.step)
+                want = chosen.get(point.step, 1)
+                run.wanted += max(want - 1, 0)
+                k = self._cap(run, want, point.step)
                 if k >= 2:
                     run.tree.nodes[node].branch_k = k
                     run.pending.append(_Pending(node, snap, k - 1, 1))
@@ -371,6 +402,7 @@ class RolloutEngine:
         c = run.compute
         for leaf in tree.leaves():
             self.costs.observe(tree.nodes[leaf].step, c.generated_tokens, c.sandbox_steps)
+        self.costs.observe_tree(c, run.wanted, run.root_width)
         return tree
 
     # -- snapshots -------------------------------------------------------------------------
