@@ -54,4 +54,4 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 test-vllm: setup-vllm
-	OMP_WAIT_POLICY=PASSIVE BPO_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/unit/test_policy_vllm.py
+	OMP_WAIT_POLICY=PASSIVE BPO_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/unit/test_policy_vllm.py tests/integration/test_train_vllm.py

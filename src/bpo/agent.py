@@ -11,6 +11,7 @@ Model choices (``policy.model``):
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,9 @@ class Agent:
     snap: bool
     pad_id: int
     demos: list[Demo] = field(default_factory=list)
+    sync_dir: Path = Path("lora-sync")
+    """Where LoRA adapters are saved for a vLLM engine to load (the run directory's)."""
+    _sync_version: int = 0
 
     def parse(self, raw: str, admissible: Sequence[str] | None) -> str:
         return parse_action(raw, admissible, snap=self.snap).text
@@ -113,10 +117,21 @@ class Agent:
         """After the weights changed: push them to an inference engine that holds its own copy
         (vLLM), or drop the prefix cache of one that shares the module (transformers)."""
         push = getattr(self.policy, "update_weights", None)
-        if push is not None:
-            push(self.model.state_dict())
-        else:
+        if push is None:
             self.policy.clear_cache()
+        elif hasattr(self.model, "peft_config"):
+            # adapters only: save them (peft's format) and load them as the engine's LoRA
+            version = self._sync_version + 1
+            path = self.sync_dir / f"v{version}"
+            self.model.save_pretrained(str(path))
+            self.policy.update_lora(path)
+            old = self.sync_dir / f"v{version - 1}"
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            self._sync_version = version
+        else:  # the value head (PPO) lives on the learner's model only
+            state = self.model.state_dict()
+            push({k: v for k, v in state.items() if not k.startswith("value_head.")})
 
     def policy_rng_state(self) -> torch.Tensor:
         return self.policy._gen.get_state()
@@ -292,13 +307,20 @@ def build(
     except (OSError, ValueError) as e:
         raise ConfigError(f"policy.model={str(path)!r} is not a loadable causal LM: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if p.lora_rank > 0:
+        model = _with_lora(model, p)
     try:
         if p.backend == "vllm":
             from bpo.policy.vllm import VLLMPolicy
 
+            # vLLM allocates adapter slots for a rank in a fixed set: the smallest that fits
+            slot = next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= p.lora_rank), 0)
+            if p.lora_rank and not slot:
+                raise ConfigError(f"policy.lora_rank={p.lora_rank}: vLLM serves ranks up to 512")
+            lora = {"enable_lora": True, "max_lora_rank": slot} if p.lora_rank else {}
             policy = VLLMPolicy(
                 path, tokenizer, dtype=p.dtype, seed=cfg.run.seed,
-                max_model_len=p.max_context_tokens + p.max_new_tokens,
+                max_model_len=p.max_context_tokens + p.max_new_tokens, **lora,
             )  # fmt: skip
         else:
             policy = HFPolicy(
@@ -313,5 +335,25 @@ def build(
         reserve_tokens=p.max_new_tokens,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else policy.stop_token_ids[0]
-    return Agent(model, tokenizer, policy, prompter, p.max_new_tokens, p.snap_to_admissible,
-                 int(pad), demos)  # fmt: skip
+    agent = Agent(model, tokenizer, policy, prompter, p.max_new_tokens, p.snap_to_admissible,
+                  int(pad), demos, sync_dir=run_dir / "lora-sync")  # fmt: skip
+    if p.lora_rank and p.backend == "vllm":
+        agent.sync_policy()  # the engine samples through the (fresh) adapter from the start
+    return agent
+
+
+def _with_lora(model: torch.nn.Module, p: PolicyConfig) -> torch.nn.Module:
+    """Wrap ``model`` in peft LoRA adapters (``policy.lora_*``); only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in p.lora_targets if t not in names]
+    if missing or not p.lora_targets:
+        raise ConfigError(
+            f"policy.lora_targets={p.lora_targets}: the model has no module named "
+            f"{missing or '(none given)'}; its linear layers include "
+            f"{sorted(n for n in names if n.endswith('_proj'))}"
+        )
+    lc = LoraConfig(r=p.lora_rank, lora_alpha=p.lora_alpha, lora_dropout=0.0,
+                    target_modules=list(p.lora_targets), task_type="CAUSAL_LM")  # fmt: skip
+    return get_peft_model(model, lc)

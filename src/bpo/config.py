@@ -80,6 +80,16 @@ class PolicyConfig:
     """Map parsed action text to the closest admissible action (case-insensitive match)."""
     tiny_hidden: int = 128
     tiny_layers: int = 2
+    lora_rank: int = 0
+    """0 = full fine-tuning; > 0 = train peft LoRA adapters of this rank on ``lora_targets``
+    (the base weights stay frozen; checkpoints hold the adapters only; the vLLM backend samples
+    through the adapter, synced after every update)."""
+    lora_alpha: float = 32.0
+    lora_targets: list[str] = field(
+        default_factory=lambda: [
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+        ]
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
