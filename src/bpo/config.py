@@ -177,6 +177,10 @@ class RunConfig:
     """Sampled trees per iteration saved (with advantages) to trees.jsonl for ``bpo view``."""
     concurrency: int = 8
     max_steps: int = 20
+    invalid_penalty: float = 0.0
+    """Reward subtracted for an invalid action (no stop token within policy.max_new_tokens, or a
+    command outside the admissible list); success metrics use the sandbox's own rewards
+    (bpo.rollout.RolloutConfig.invalid_penalty)."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ def tree_metrics(trees: Sequence[Tree], prefix: str = "") -> dict[str, float]:
     equal = sum(s.sibling_groups_all_equal for s in stats)
     depths = [d for s in stats for d in s.branch_depths]
     ents = [e for s in stats for e in s.branch_entropies]
-    leaf_returns = np.concatenate([t.returns() for t in trees]) if trees else np.zeros(0)
+    # success and return in the sandbox's own rewards (without invalid-action penalties)
+    leaf_returns = np.concatenate([t.returns(shaped=False) for t in trees]) if trees else np.zeros(0)
     out = {
         "rollout/success": float(np.mean(leaf_returns > 0)) if len(leaf_returns) else 0.0,
         "rollout/return": float(np.mean(leaf_returns)) if len(leaf_returns) else 0.0,
@@ -54,6 +55,9 @@ def tree_metrics(trees: Sequence[Tree], prefix: str = "") -> dict[str, float]:
         len(n.obs_ids) + (len(n.turn.action_ids) if n.turn else 0) for t in trees for n in t.nodes
     )
     out["compute/token_efficiency"] = computed / unique if unique else 0.0
+    out["rollout/invalid_frac"] = (
+        compute.invalid_actions / compute.sandbox_steps if compute.sandbox_steps else 0.0
+    )
     if compute.wall_seconds > 0:
         out["snapshot/time_frac"] = compute.snapshot_seconds / compute.wall_seconds
     return {prefix + k: v for k, v in out.items()}

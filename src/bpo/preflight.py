@@ -28,6 +28,7 @@ _AT_LEAST = {
     "eval.episodes_per_task": 1, "sft.episodes_per_task": 0, "sft.epochs": 1,
     "sft.batch_size": 1, "tree.root_width": 1, "policy.max_new_tokens": 1,
     "policy.lora_rank": 0, "tree.max_root_width": 1, "learner.warmup_updates": 0,
+    "run.invalid_penalty": 0,
 }  # fmt: skip
 
 

@@ -197,6 +197,7 @@ class Trainer:
             root_width=width, max_steps=self.cfg.run.max_steps, budget=budget,
             entropy=self.cfg.tree.entropy, concurrency=self.cfg.run.concurrency,
             fill_budget=self.cfg.tree.fill_budget, max_root_width=self.cfg.tree.max_root_width,
+            invalid_penalty=self.cfg.run.invalid_penalty,
         )  # fmt: skip
         return RolloutEngine(
             b.policy, b.prompter, b.parse, rule, self.env_factory, rc, b.sampling(temperature)
@@ -214,8 +215,8 @@ class Trainer:
         finally:
             engine.close()
         self.bundle.policy.clear_cache()
-        per_task = {t.task: float(np.mean(t.returns() > 0)) for t in trees}
-        rets = np.concatenate([t.returns() for t in trees])
+        per_task = {t.task: float(np.mean(t.returns(shaped=False) > 0)) for t in trees}
+        rets = np.concatenate([t.returns(shaped=False) for t in trees])
         steps = [t.nodes[leaf].step for t in trees for leaf in t.leaves()]
         return EvalResult(float(np.mean(rets > 0)), float(np.mean(rets)), float(np.mean(steps)),
                           per_task)  # fmt: skip

@@ -44,6 +44,9 @@ class Turn:
     truncated: bool = False
     policy_version: int = 0
     """Which weights sampled it (asynchronous rollouts must not mix versions in one tree)."""
+    penalty: float = 0.0
+    """Reward shaping already subtracted from ``reward`` (an invalid action's penalty): the
+    sandbox's own reward is ``reward + penalty``."""
 
     def __post_init__(self) -> None:
         if not (len(self.action_ids) == len(self.logprobs) == len(self.entropies)):
@@ -168,7 +171,7 @@ class Tree:
                     "action_ids": list(t.action_ids), "logprobs": list(t.logprobs),
                     "entropies": list(t.entropies), "action_text": t.action_text,
                     "reward": t.reward, "terminated": t.terminated, "truncated": t.truncated,
-                    "policy_version": t.policy_version,
+                    "policy_version": t.policy_version, "penalty": t.penalty,
                 }  # fmt: skip
             if advantages is not None:
                 d["advantage"] = float(advantages[i])
@@ -192,9 +195,12 @@ class Tree:
             tree.nodes.append(node)
         return tree
 
-    def returns(self) -> np.ndarray:
-        """Return of each leaf's path from the root, indexed like :meth:`leaves`."""
+    def returns(self, shaped: bool = True) -> np.ndarray:
+        """Return of each leaf's path from the root, indexed like :meth:`leaves`: what the
+        estimators see (``shaped``), or the sandbox's own rewards (penalties added back)."""
         r = self.rewards()
+        if not shaped:
+            r = r + np.array([0.0 if n.turn is None else n.turn.penalty for n in self.nodes])
         p = self.parents()
         out = []
         for leaf in self.leaves():

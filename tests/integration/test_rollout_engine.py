@@ -34,7 +34,9 @@ def agent(tmp_path_factory):
     return model, tok, policy, prompter
 
 
-def engine(agent, rule, root_width=1, budget=None, max_steps=6, concurrency=3, fill=False):
+def engine(
+    agent, rule, root_width=1, budget=None, max_steps=6, concurrency=3, fill=False, penalty=0.0
+):
     _, _, policy, prompter = agent
     cfg = RolloutConfig(
         root_width=root_width,
@@ -42,6 +44,7 @@ def engine(agent, rule, root_width=1, budget=None, max_steps=6, concurrency=3, f
         budget=budget or Budget("tokens", 400),
         concurrency=concurrency,
         fill_budget=fill,
+        invalid_penalty=penalty,
     )
     return RolloutEngine(
         policy,
@@ -156,6 +159,24 @@ def test_fill_budget_spends_what_a_group_spends(agent):
     assert spent["lean"] < 0.5 * spent["group"]
     assert 0.7 * spent["group"] < spent["full"] < 1.3 * spent["group"]
     assert 0.6 * 240 < spent["full"] < 1.4 * 240
+
+
+def test_invalid_actions_are_penalised_and_counted(agent):
+    """An untrained model often runs out of tokens or says something inadmissible: each such
+    turn's reward is the sandbox's minus the penalty, and the sandbox's own return is kept."""
+    eng = engine(agent, make_rule("none"), root_width=3, max_steps=4, penalty=0.25)
+    try:
+        trees = eng.run(TASKS)
+    finally:
+        eng.close()
+    invalid = sum(t.meta["compute"].invalid_actions for t in trees)
+    assert invalid > 0
+    turns = [n.turn for t in trees for n in t.nodes[1:]]
+    assert sum(t.penalty == 0.25 for t in turns) == invalid
+    assert all(t.penalty in (0.0, 0.25) for t in turns)
+    for t in trees:
+        shaped, own = t.returns(), t.returns(shaped=False)
+        assert np.all(own >= shaped) and np.any(own > shaped)
 
 
 def test_hard_truncating_budget_matches_within_one_turn(agent):

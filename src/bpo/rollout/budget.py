@@ -45,6 +45,9 @@ class Compute:
     leaves: int = 0
     episodes: int = 0
     """Root-to-leaf rollouts started (backbones, forks and independent episodes)."""
+    invalid_actions: int = 0
+    """Turns that ran out of tokens before a stop token or sent a command outside the
+    admissible list (see RolloutConfig.invalid_penalty)."""
     policy_seconds: float = 0.0
     sandbox_seconds: float = 0.0
     snapshot_seconds: float = 0.0

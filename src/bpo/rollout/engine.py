@@ -92,6 +92,12 @@ class RolloutConfig:
     max_root_width: int = 64
     """Upper bound on the root's children when the budget decides them (groups and
     ``fill_budget``)."""
+    invalid_penalty: float = 0.0
+    """Subtracted from a turn's reward when its action is invalid: the sample ran out of
+    tokens before a stop token, or (where the sandbox lists admissible actions) the command is
+    not one of them. GiGPO's ALFWorld and WebShop runs use 0.1. Without it, tokens the parser
+    ignores cost nothing, and a policy can drift into never stopping (measured on the CPU demo:
+    tokens per turn 3.2 -> 6.9 in 12 iterations)."""
 
     def __post_init__(self) -> None:
         if self.root_width < 1:
@@ -302,6 +308,10 @@ class RolloutEngine:
         run.compute.sandbox_seconds += time.perf_counter() - t0
         run.compute.sandbox_steps += 1
         cfg = self.config
+        penalty = 0.0
+        if s.finish_reason == "length" or (admissible and action not in admissible):
+            run.compute.invalid_actions += 1
+            penalty = cfg.invalid_penalty
         truncated = res.truncated or (node.step + 1 >= cfg.max_steps and not res.terminated)
         b = cfg.budget
         if (
@@ -313,7 +323,8 @@ class RolloutEngine:
             truncated = truncated or not res.terminated
         turn = Turn(
             tuple(s.action_ids), tuple(s.logprobs), tuple(s.entropies), action,
-            float(res.reward), bool(res.terminated), bool(truncated), cfg.policy_version,
+            float(res.reward) - penalty, bool(res.terminated), bool(truncated),
+            cfg.policy_version, penalty,
         )  # fmt: skip
         done = turn.terminated or turn.truncated
         state = None
