@@ -177,6 +177,10 @@ class RunConfig:
     """Sampled trees per iteration saved (with advantages) to trees.jsonl for ``bpo view``."""
     concurrency: int = 8
     max_steps: int = 20
+    max_retries: int = 2
+    """Restarts of a rollout hit by a sandbox fault, from its snapshot, before it is dropped."""
+    max_fault_frac: float = 0.25
+    """Stop the run when more than this share of an iteration's rollouts is lost to faults."""
     invalid_penalty: float = 0.0
     """Reward subtracted for an invalid action (no stop token within policy.max_new_tokens, or a
     command outside the admissible list); success metrics use the sandbox's own rewards

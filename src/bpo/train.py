@@ -51,12 +51,12 @@ from bpo.checkpoint import (
     set_rng_state,
 )
 from bpo.config import Config, ConfigError, load_config, to_dict
-from bpo.learner import Learner
+from bpo.learner import Learner, NonFiniteError
 from bpo.metrics import MetricsLogger, tree_metrics
 from bpo.preflight import make_branch_rule, preflight
 from bpo.progress import IterationProgress
 from bpo.report import write_run_report
-from bpo.rollout import Budget, RolloutConfig, RolloutEngine
+from bpo.rollout import Budget, RolloutConfig, RolloutEngine, RolloutError
 from bpo.sandbox import env_spec, list_tasks, make_env
 from bpo.tree import Tree
 
@@ -197,7 +197,8 @@ class Trainer:
             root_width=width, max_steps=self.cfg.run.max_steps, budget=budget,
             entropy=self.cfg.tree.entropy, concurrency=self.cfg.run.concurrency,
             fill_budget=self.cfg.tree.fill_budget, max_root_width=self.cfg.tree.max_root_width,
-            invalid_penalty=self.cfg.run.invalid_penalty,
+            invalid_penalty=self.cfg.run.invalid_penalty, max_retries=self.cfg.run.max_retries,
+            max_fault_frac=self.cfg.run.max_fault_frac,
         )  # fmt: skip
         return RolloutEngine(
             b.policy, b.prompter, b.parse, rule, self.env_factory, rc, b.sampling(temperature)
@@ -388,6 +389,12 @@ class Trainer:
             [(self.train_tasks[i], int(s)) for i, s in zip(idx, seeds, strict=True)]
         )
         t1 = time.perf_counter()
+        faults = dict(self.engine.faults)
+        if not trees:
+            raise RolloutError(
+                f"iteration {self.iteration + 1}: every tree was lost to sandbox faults "
+                f"({faults}); check the sandbox with bpo check-sandbox"
+            )
         # 2. update
         upd = self.learner.update(trees, cfg.estimator.name, **cfg.estimator.options)
         # 3. the weights changed: cached prefixes are stale (or the engine's copy is)
@@ -397,6 +404,9 @@ class Trainer:
         m = {**tree_metrics(trees), **upd, "time/rollout_s": t1 - t0,
              "time/iteration_s": time.perf_counter() - t0}  # fmt: skip
         m["time/tokens_per_s"] = m["compute/generated_tokens"] / max(t1 - t0, 1e-9)
+        m.update({"rollout/retries": faults["retries"], "rollout/failed_episodes":
+                  faults["failed_rollouts"], "rollout/failed_trees": faults["failed_trees"],
+                  "rollout/policy_retries": faults["policy_retries"]})  # fmt: skip
         if cfg.eval.every and self.iteration % cfg.eval.every == 0:
             m.update(self.evaluate().as_metrics())
         row = self.metrics.log(self.iteration, m)
@@ -462,6 +472,10 @@ def main(argv: list[str]) -> int:
     except CheckpointError as e:
         print(f"bpo train: --resume {run_dir}: {e}; start a new run instead", file=sys.stderr)
         return 2
+    except (RolloutError, NonFiniteError) as e:
+        print(f"bpo train: stopped: {e}. The checkpoints in {run_dir} are intact; after fixing "
+              f"the cause, continue with: bpo train --resume {run_dir}", file=sys.stderr)  # fmt: skip
+        return 1
     except KeyboardInterrupt:
         found = any((run_dir / "checkpoints").glob("iter-*"))
         hint = f"resume with: bpo train --resume {run_dir}" if found else "no checkpoint yet"

@@ -123,6 +123,17 @@ class Tree:
         self.nodes[parent].children.append(idx)
         return idx
 
+    def truncate(self, n: int) -> None:
+        """Remove nodes ``n`` and later (a rollout abandoned after a fault): nodes are added in
+        order, so they are exactly the nodes that rollout created."""
+        if not 1 <= n <= len(self.nodes):
+            raise IndexError(f"cannot keep {n} of {len(self.nodes)} nodes (the root stays)")
+        for i in range(len(self.nodes) - 1, n - 1, -1):
+            parent = self.nodes[i].parent
+            if parent < n:
+                self.nodes[parent].children.remove(i)
+        del self.nodes[n:]
+
     # -- views ----------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.nodes)

@@ -45,6 +45,10 @@ class Compute:
     leaves: int = 0
     episodes: int = 0
     """Root-to-leaf rollouts started (backbones, forks and independent episodes)."""
+    retries: int = 0
+    """Rollouts started again after a sandbox fault (RolloutEngine.run)."""
+    failed_rollouts: int = 0
+    """Rollouts dropped after their retries ran out."""
     invalid_actions: int = 0
     """Turns that ran out of tokens before a stop token or sent a command outside the
     admissible list (see RolloutConfig.invalid_penalty)."""

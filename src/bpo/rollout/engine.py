@@ -20,6 +20,7 @@ method spends the same expected cost in the chosen unit (see ``bpo.rollout.budge
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ from bpo.rollout.budget import Budget, Compute, CostModel
 from bpo.sandbox.protocol import Observation, Sandbox, Snapshot
 from bpo.tree import Tree, Turn
 
-__all__ = ["ENTROPY_MODES", "Prompter", "RolloutConfig", "RolloutEngine"]
+__all__ = ["ENTROPY_MODES", "Prompter", "RolloutConfig", "RolloutEngine", "RolloutError"]
 
 ENTROPY_MODES = ("mean", "first")
 
@@ -92,6 +93,13 @@ class RolloutConfig:
     max_root_width: int = 64
     """Upper bound on the root's children when the budget decides them (groups and
     ``fill_budget``)."""
+    max_retries: int = 2
+    """Times a rollout hit by a fault (the sandbox raised, returned a malformed result, or
+    could not restore) is started again from its snapshot (or from a reset) before it is
+    dropped; see :meth:`RolloutEngine.run` for what a drop means for the estimator."""
+    max_fault_frac: float = 0.25
+    """A batch stops with :class:`RolloutError` when more than this share of its rollouts is
+    dropped (after at least 4 drops): faults that common are a broken setup, not noise."""
     invalid_penalty: float = 0.0
     """Subtracted from a turn's reward when its action is invalid: the sample ran out of
     tokens before a stop token, or (where the sandbox lists admissible actions) the command is
@@ -110,6 +118,8 @@ class RolloutConfig:
             raise ValueError(f"unknown entropy mode {self.entropy!r}; valid: mean, first")
         if self.max_steps < 1 or self.concurrency < 1:
             raise ValueError("max_steps and concurrency must be >= 1")
+        if self.max_retries < 0 or not 0.0 <= self.max_fault_frac <= 1.0:
+            raise ValueError("max_retries must be >= 0 and max_fault_frac in [0, 1]")
 
 
 @dataclass
@@ -130,6 +140,37 @@ class _Cursor:
 
 
 @dataclass
+class _Rollout:
+    """The rollout in flight: where it started and what the tree held then, so that a fault
+    can undo it and start it again."""
+
+    start: int
+    """The node it acts from first."""
+    nodes: int
+    """Nodes in the tree when it started (it owns the later ones)."""
+    pending: int
+    backbone: int
+    """Lengths of the tree's branch queue and ablation list when it started."""
+    snapshot: Snapshot | None
+    """Where it restarts from (None: the root backbone, restarted by a reset)."""
+    owns_snapshot: bool
+    """The snapshot's last fork: release it when this rollout is over."""
+    depth: int
+    fork_start: bool
+    branches: int = 0
+    """The tree's branch count when it started."""
+    attempts: int = 0
+
+
+class RolloutError(RuntimeError):
+    """Too many rollouts of a batch were lost to faults, or the policy kept failing."""
+
+
+class _Fault(Exception):
+    """A sandbox result that breaks the protocol (wrapped so that it is handled as a fault)."""
+
+
+@dataclass
 class _TreeRun:
     """One task's tree in progress, with its sandbox."""
 
@@ -142,6 +183,9 @@ class _TreeRun:
     wanted: int = 0
     """Rollouts the branch rule asked for (run, or refused by the budget)."""
     root_width: int = 1
+    current: _Rollout | None = None
+    broken: bool = False
+    """The sandbox failed to restore or reset: no further rollout can start in it."""
     started: float = field(default_factory=time.perf_counter)
     backbone: list[tuple[BranchPoint, Snapshot, int]] = field(default_factory=list)
     prompts: dict[int, PromptState] = field(default_factory=dict)
@@ -170,38 +214,89 @@ class RolloutEngine:
         self._factory = sandbox_factory
         self._sandboxes: list[Sandbox] = []
         self.costs = CostModel(config.max_steps, int(getattr(sampling, "max_new_tokens", 32)))
+        self.faults: dict[str, int] = {}
+        """Fault counts of the last :meth:`run`."""
 
     # -- public --------------------------------------------------------------------------
     def run(self, tasks: Sequence[tuple[str, int]]) -> list[Tree]:
-        """Grow one tree per ``(task, seed)``; returns them in task order."""
+        """Grow one tree per ``(task, seed)``; returns them in task order.
+
+        Faults: a rollout whose sandbox raises, returns a malformed result or fails to restore
+        is undone (its nodes, its branch points and their snapshots) and started again from its
+        snapshot, or from a reset for the root backbone, up to ``max_retries`` times; then it is
+        dropped. A sandbox that cannot restore or reset is replaced, and its tree ends with the
+        rollouts already complete. A dropped rollout leaves its branch node with one child
+        fewer: the remaining children are still i.i.d. draws of the policy at that state, so
+        the leave-one-out estimators stay unbiased over them (a node left with one child gets
+        no sibling baseline, as if it had not branched). This holds when faults are independent
+        of the policy's actions; a fault that some action provokes makes the estimate one for
+        the policy conditioned on no fault. A tree with no complete rollout is left out of the
+        result. Counts are in each tree's ``compute`` (``retries``, ``failed_rollouts``) and in
+        :attr:`faults`; the batch stops with :class:`RolloutError` beyond ``max_fault_frac``.
+        """
         todo = deque(enumerate(tasks))
         free = self._ensure_sandboxes(min(self.config.concurrency, len(tasks)))
         live: dict[int, _TreeRun] = {}
         done: dict[int, Tree] = {}
+        self.faults = {"retries": 0, "failed_rollouts": 0, "failed_trees": 0, "policy_retries": 0,
+                       "replaced_sandboxes": 0, "rollouts": 0}  # fmt: skip
         try:
             while todo or live:
                 while todo and free:
                     i, (task, seed) = todo.popleft()
-                    live[i] = self._start(task, seed, free.pop())
+                    run = self._start(task, seed, free.pop())
+                    if run is None:
+                        free.append(self._replace(None))
+                        self.faults["failed_trees"] += 1
+                    else:
+                        live[i] = run
                 ready = [i for i, r in live.items() if r.cursor is not None]
                 if ready:
                     self._turn([live[i] for i in ready])
                 for i in list(live):
                     run = live[i]
                     if run.cursor is None and not self._next_rollout(run):
-                        done[i] = self._finish(run)
-                        free.append(run.sandbox)
                         del live[i]
+                        if run.broken:
+                            self._abandon(run)
+                            run.sandbox = self._replace(run.sandbox)
+                        if run.tree.leaves() != [0]:
+                            done[i] = self._finish(run)
+                        else:  # not one complete rollout
+                            self.faults["failed_trees"] += 1
+                        free.append(run.sandbox)
+                self._check_faults()
         except BaseException:
-            # an error (a dead engine, say) aborts the batch; there are no retries yet, so the
-            # trees in flight are dropped and must give back their snapshots, or the sandboxes
+            # an error that retries cannot absorb (the policy, too many faults, Ctrl-C) aborts
+            # the batch: the trees in flight give back their snapshots, or the sandboxes
             # (reused by the next run) would hold them for good
             for run in live.values():
                 self._abandon(run)
             raise
         self.rule.end_iteration()
         self.costs.end_iteration()
-        return [done[i] for i in range(len(tasks))]
+        return [done[i] for i in range(len(tasks)) if i in done]
+
+    def _check_faults(self) -> None:
+        f, cap = self.faults, self.config.max_fault_frac
+        lost = f["failed_rollouts"]
+        if lost >= 4 and lost > cap * max(f["rollouts"], 1):
+            raise RolloutError(
+                f"{lost} of {f['rollouts']} rollouts were lost to sandbox faults (more than "
+                f"max_fault_frac={cap}); check the sandbox (bpo check-sandbox) or its resources"
+            )
+
+    def _replace(self, sandbox: Sandbox | None) -> Sandbox:
+        """A fresh sandbox in place of a broken one (closed, errors ignored)."""
+        fresh = self._factory()
+        if sandbox is not None:
+            with contextlib.suppress(Exception):
+                sandbox.close()
+            self._sandboxes = [fresh if s is sandbox else s for s in self._sandboxes]
+        else:
+            self._sandboxes.append(fresh)
+        self.faults["replaced_sandboxes"] += 1
+        return fresh
 
     def close(self) -> None:
         for sb in self._sandboxes:
@@ -214,9 +309,22 @@ class RolloutEngine:
             self._sandboxes.append(self._factory())
         return list(self._sandboxes[:n])
 
-    def _start(self, task: str, seed: int, sandbox: Sandbox) -> _TreeRun:
-        t0 = time.perf_counter()
-        obs = sandbox.reset(task, seed)
+    def _start(self, task: str, seed: int, sandbox: Sandbox) -> _TreeRun | None:
+        """Reset a sandbox to the task and start the root backbone; None when the reset keeps
+        failing (the sandbox is then closed; the caller replaces it)."""
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                t0 = time.perf_counter()
+                obs = self._checked_obs(sandbox.reset(task, seed))
+                break
+            except Exception:
+                if attempt == self.config.max_retries:
+                    with contextlib.suppress(Exception):
+                        sandbox.close()
+                    self._sandboxes = [s for s in self._sandboxes if s is not sandbox]
+                    return None
+                self.faults["retries"] += 1
+                sandbox = self._replace(sandbox)
         run = _TreeRun(Tree(task, seed), sandbox)
         run.compute.sandbox_seconds += time.perf_counter() - t0
         state = self.prompter.start(obs.instruction, obs.text, obs.admissible)
@@ -230,7 +338,9 @@ class RolloutEngine:
             run.pending.append(_Pending(0, self._snapshot(run), width - 1, 0))
             run.branches += 1
         run.cursor = _Cursor(0, 0, obs, fork_start=width >= 2)
+        run.current = _Rollout(0, 1, len(run.pending), 0, None, False, 0, width >= 2, run.branches)
         run.compute.episodes += 1
+        self.faults["rollouts"] += 1
         return run
 
     def _root_width(self) -> int:
@@ -283,14 +393,27 @@ class RolloutEngine:
         """1. batch the policy over every tree's cursor; 2. branch decision; 3. step sandboxes."""
         contexts = [list(r.prompts[r.cursor.node].ids) for r in runs]  # type: ignore[union-attr]
         t0 = time.perf_counter()
-        samples = self.policy.sample(contexts, 1, self.sampling)
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                samples = self.policy.sample(contexts, 1, self.sampling)
+                break
+            except Exception as e:  # a backend that failed mid-batch: the whole batch again
+                if attempt == self.config.max_retries:
+                    raise RolloutError(
+                        f"the policy failed {attempt + 1} times in a row on a batch of "
+                        f"{len(contexts)} contexts: {type(e).__name__}: {e}"
+                    ) from e
+                self.faults["policy_retries"] += 1
         dt = (time.perf_counter() - t0) / len(runs)
         for run, ctx, (s,) in zip(runs, contexts, samples, strict=True):
             run.compute.policy_seconds += dt
             run.compute.generated_tokens += len(s.action_ids)
             run.compute.prefill_tokens += int(getattr(s, "prefill_tokens", len(ctx)))
             run.compute.context_tokens += len(ctx)
-            self._apply(run, s)
+            try:
+                self._apply(run, s)
+            except Exception:
+                self._fault(run)
 
     def _apply(self, run: _TreeRun, s) -> None:
         cur = run.cursor
@@ -306,6 +429,10 @@ class RolloutEngine:
         t0 = time.perf_counter()
         res = run.sandbox.step(action)
         run.compute.sandbox_seconds += time.perf_counter() - t0
+        if not (isinstance(getattr(res, "reward", None), (int, float))
+                and math.isfinite(res.reward)):  # fmt: skip
+            raise _Fault(f"step returned a malformed result: {res!r}"[:300])
+        self._checked_obs(res.observation)
         run.compute.sandbox_steps += 1
         cfg = self.config
         penalty = 0.0
@@ -344,6 +471,7 @@ class RolloutEngine:
         if done:
             run.compute.leaves += 1
             run.cursor = None
+            self._end_rollout(run)
         else:
             run.cursor = _Cursor(child, cur.depth, res.observation, fork_start=False)
 
@@ -385,7 +513,7 @@ class RolloutEngine:
                     self._release(run, snap)
             run.backbone = []
         budget = self.config.budget
-        while run.pending:
+        while run.pending and not run.broken:
             p = run.pending[0]
             spent = budget.used(run.compute) >= budget.amount
             if budget.mode == "hard" and spent and run.compute.episodes >= budget.min_rollouts:
@@ -393,15 +521,85 @@ class RolloutEngine:
                     self._release(run, q.snapshot)
                 run.pending.clear()
                 return False
-            obs = self._restore(run, p.snapshot)
             p.forks_left -= 1
-            if p.forks_left == 0:
+            last = p.forks_left == 0
+            if last:
                 run.pending.popleft()
-                self._release(run, p.snapshot)
-            run.cursor = _Cursor(p.node, p.depth, obs, fork_start=True)
+            run.current = _Rollout(p.node, len(run.tree), len(run.pending), len(run.backbone),
+                                   p.snapshot, last, p.depth, True, run.branches)  # fmt: skip
             run.compute.episodes += 1
+            self.faults["rollouts"] += 1
+            try:
+                obs = self._checked_obs(self._restore(run, p.snapshot))
+            except Exception:
+                self._fault(run)
+                if run.cursor is None:
+                    continue  # dropped: the next queued fork, if the sandbox still works
+                return True
+            run.cursor = _Cursor(p.node, p.depth, obs, fork_start=True)
             return True
         return False
+
+    # -- faults ------------------------------------------------------------------------------
+    @staticmethod
+    def _checked_obs(obs: object) -> Observation:
+        if not isinstance(getattr(obs, "text", None), str):
+            raise _Fault(f"the sandbox returned a malformed observation: {obs!r}"[:300])
+        return obs  # type: ignore[return-value]
+
+    def _end_rollout(self, run: _TreeRun) -> None:
+        cur = run.current
+        if cur is not None and cur.owns_snapshot and cur.snapshot is not None:
+            self._release(run, cur.snapshot)
+        run.current = None
+
+    def _fault(self, run: _TreeRun) -> None:
+        """The rollout in flight hit a fault: undo it, then start it again or drop it."""
+        cur = run.current
+        assert cur is not None
+        self._undo(run, cur)
+        cur.attempts += 1
+        while cur.attempts <= self.config.max_retries:
+            run.compute.retries += 1
+            self.faults["retries"] += 1
+            try:
+                if cur.snapshot is None:  # the root backbone: the task from its reset
+                    obs = self._checked_obs(run.sandbox.reset(run.tree.task, run.tree.seed))
+                else:
+                    obs = self._checked_obs(self._restore(run, cur.snapshot))
+            except Exception:
+                run.broken = True  # cannot get back to a known state in this sandbox
+                break
+            run.cursor = _Cursor(cur.start, cur.depth, obs, fork_start=cur.fork_start)
+            return
+        run.compute.failed_rollouts += 1
+        self.faults["failed_rollouts"] += 1
+        run.cursor = None
+        with contextlib.suppress(Exception):
+            self._end_rollout(run)
+        run.current = None
+        if run.broken:  # what is still queued cannot be restored here
+            self._abandon(run)
+
+    def _undo(self, run: _TreeRun, cur: _Rollout) -> None:
+        """Remove what the failed rollout added: its nodes, prompts, branch points (their
+        snapshots released) and, for a root backbone of width 1, the root's decision."""
+        tree = run.tree
+        while len(run.pending) > cur.pending:
+            with contextlib.suppress(Exception):
+                self._release(run, run.pending.pop().snapshot)
+        for _, snap, _ in run.backbone[cur.backbone :]:
+            with contextlib.suppress(Exception):
+                self._release(run, snap)
+        del run.backbone[cur.backbone :]
+        if cur.nodes < len(tree):
+            tree.truncate(cur.nodes)
+        for node in [n for n in run.prompts if n >= cur.nodes]:
+            del run.prompts[node]
+        if cur.snapshot is None and run.root_width < 2:
+            tree.nodes[0].branch_k = 1
+        run.branches = cur.branches
+        run.cursor = None
 
     def _finish(self, run: _TreeRun) -> Tree:
         tree = run.tree
@@ -437,8 +635,12 @@ class RolloutEngine:
     def _abandon(self, run: _TreeRun) -> None:
         """Release every snapshot a dropped tree still holds; errors here are secondary."""
         snaps = [p.snapshot for p in run.pending] + [s for _, s, _ in run.backbone]
+        cur = run.current
+        if cur is not None and cur.owns_snapshot and cur.snapshot is not None:
+            snaps.append(cur.snapshot)  # the last fork's snapshot, held until it is over
         run.pending.clear()
         run.backbone = []
+        run.current = None
         for snap in snaps:
             with contextlib.suppress(Exception):
                 run.sandbox.release(snap)
