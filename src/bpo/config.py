@@ -56,6 +56,9 @@ class SandboxConfig:
     eval_split: str = "test"
     num_train_tasks: int = 64
     num_eval_tasks: int = 32
+    faults: dict[str, Any] = field(default_factory=dict)
+    """Fault injection in training rollouts, for soak tests (bpo.sandbox.faults.FaultConfig:
+    rate, kinds, hang_seconds, seed); empty = off. Evaluation never gets faults."""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from bpo.progress import IterationProgress
 from bpo.report import write_run_report
 from bpo.rollout import Budget, RolloutConfig, RolloutEngine, RolloutError
 from bpo.sandbox import env_spec, list_tasks, make_env
+from bpo.sandbox.faults import FaultConfig, FaultInjector
 from bpo.tree import Tree
 
 __all__ = ["EvalResult", "Trainer", "main", "preflight"]
@@ -99,6 +100,14 @@ class Trainer:
         self._check_run_dir()
         s = cfg.sandbox
         self.env_factory = lambda: make_env(s.name, s.backend, **s.options)
+        self.train_factory = self.env_factory
+        if s.faults:
+            try:
+                self.fault_config = FaultConfig(**s.faults)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"sandbox.faults={s.faults}: {e}") from None
+            fc = self.fault_config
+            self.train_factory = lambda: FaultInjector(self.env_factory(), fc)
         self._check_env()
         self.train_tasks = self._tasks(s.train_split, s.num_train_tasks)
         self.eval_tasks = self._tasks(s.eval_split, s.num_eval_tasks)
@@ -127,6 +136,7 @@ class Trainer:
             cfg.tree.root_width,
             cfg.policy.temperature,
             Budget(cfg.budget.unit, cfg.budget.amount, cfg.budget.mode, cfg.budget.truncate),
+            train=True,
         )
         self.task_rng = np.random.default_rng(cfg.run.seed)
         if self.write:
@@ -190,7 +200,7 @@ class Trainer:
         return tasks
 
     def _engine(
-        self, rule: BranchRule, width: int, temperature: float, budget: Budget
+        self, rule: BranchRule, width: int, temperature: float, budget: Budget, train: bool = False
     ) -> RolloutEngine:
         b = self.bundle
         rc = RolloutConfig(
@@ -200,8 +210,9 @@ class Trainer:
             invalid_penalty=self.cfg.run.invalid_penalty, max_retries=self.cfg.run.max_retries,
             max_fault_frac=self.cfg.run.max_fault_frac,
         )  # fmt: skip
+        factory = self.train_factory if train else self.env_factory
         return RolloutEngine(
-            b.policy, b.prompter, b.parse, rule, self.env_factory, rc, b.sampling(temperature)
+            b.policy, b.prompter, b.parse, rule, factory, rc, b.sampling(temperature)
         )
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -404,6 +415,8 @@ class Trainer:
         m = {**tree_metrics(trees), **upd, "time/rollout_s": t1 - t0,
              "time/iteration_s": time.perf_counter() - t0}  # fmt: skip
         m["time/tokens_per_s"] = m["compute/generated_tokens"] / max(t1 - t0, 1e-9)
+        if getattr(self, "fault_config", None) is not None:
+            m.update({f"faults/injected_{k}": v for k, v in self.fault_config.counts.items()})
         m.update({"rollout/retries": faults["retries"], "rollout/failed_episodes":
                   faults["failed_rollouts"], "rollout/failed_trees": faults["failed_trees"],
                   "rollout/policy_retries": faults["policy_retries"]})  # fmt: skip
