@@ -141,3 +141,55 @@ def test_fork_backend_in_an_actor_dies_with_it(local_ray):
         assert len(frozen) == 1 and psutil.pid_exists(frozen[0])
         ray.kill(sb.actor)
         assert _gone(frozen) == []
+
+
+def test_an_actor_dying_mid_rollout_is_survived_by_the_engine(pool, tmp_path):
+    """The rollout engine over pool sandboxes: a Ray actor killed while trees are in flight
+    fails the rollout's next step; the engine restarts it from its snapshot, which the pool
+    rebuilds by replay on the surviving actor. Every tree completes, whole, with no snapshot
+    left."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bpo.branching import make_rule
+    from bpo.policy.hf import HFPolicy
+    from bpo.policy.models import init_model
+    from bpo.policy.parsing import parse_action
+    from bpo.policy.prompts import PromptBuilder
+    from bpo.policy.protocol import SamplingParams
+    from bpo.rollout import Budget, RolloutConfig, RolloutEngine
+
+    path = init_model(tmp_path / "m", hidden=64, layers=2, tokenizer="byte", seed=0)
+    tok = AutoTokenizer.from_pretrained(path)
+    inner = HFPolicy(AutoModelForCausalLM.from_pretrained(path), tok, seed=0)
+    made: list[PoolSandbox] = []
+
+    class Killing:  # kills the first sandbox's actor at the 4th policy call
+        calls = 0
+
+        def sample(self, contexts, n=1, params=None):
+            Killing.calls += 1
+            if Killing.calls == 4:
+                ray.kill(made[0].actor)
+                _gone([made[0].actor_pid])
+            return inner.sample(contexts, n, params)
+
+    def factory():
+        made.append(pool.open())
+        return made[-1]
+
+    cfg = RolloutConfig(root_width=2, max_steps=6, budget=Budget("tokens", 200), concurrency=2)
+    eng = RolloutEngine(
+        Killing(), PromptBuilder(tok, max_admissible=8),
+        lambda raw, adm: parse_action(raw, adm).text, make_rule("every", k=2, max_branches=2),
+        factory, cfg, SamplingParams(max_new_tokens=8, temperature=1.0),
+    )  # fmt: skip
+    try:
+        trees = eng.run([("keydoor-1", 0), ("keydoor-2", 1)])
+    finally:
+        eng.close()
+    assert len(trees) == 2
+    assert eng.faults["retries"] >= 1 and eng.faults["failed_rollouts"] == 0
+    assert pool.replaced >= 1
+    for t in trees:
+        assert t.meta["live_snapshots_after"] == 0
+        assert all(t.nodes[leaf].terminal for leaf in t.leaves())
