@@ -11,7 +11,9 @@ message that names the key and lists the valid choices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -253,17 +255,20 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be an integer, got {value!r}")
         return value
     if tp is float:
+        number: float | None = None
         if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value)  # YAML 1.1 reads 3e-5 (no dot) as a string
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
-                return float(value)  # YAML 1.1 reads 3e-5 (no dot) as a string
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+                number = float(value)
+            except OverflowError:
+                raise ConfigError(f"{key} is too large for a float: {value!r}") from None
+        if number is None:
             raise ConfigError(f"{key} must be a number, got {value!r}")
-        try:
-            return float(value)
-        except OverflowError:
-            raise ConfigError(f"{key} is too large for a float: {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {value!r}")

@@ -45,3 +45,9 @@ def test_missing_and_bad_files(tmp_path):
     bad.write_text("tree: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+@pytest.mark.parametrize("value", [".nan", "inf", "-.inf", "1e999"])
+def test_non_finite_numbers_are_rejected(value):
+    with pytest.raises(ConfigError, match="learner.lr must be a finite number"):
+        load_config(None, [f"learner.lr={value}"])

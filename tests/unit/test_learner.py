@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from bpo.learner import Learner, LearnerConfig, token_logprobs
+from bpo.learner import Learner, LearnerConfig, NonFiniteError, token_logprobs
 from bpo.packing import choose_layout, pack_forest, pack_paths
 from bpo.tree import Tree, Turn
 
@@ -160,6 +160,19 @@ def test_nonfinite_update_is_skipped():
     assert m["learner/skipped_nonfinite"] == 1.0 and learner.updates == 0
     for n, p in model.named_parameters():
         assert torch.equal(before[n], p.detach())
+
+
+def test_nonfinite_updates_in_a_row_stop_with_the_cause():
+    rng = np.random.default_rng(6)
+    trees = [random_tree(rng)]
+    bad = trees[0].nodes[1].turn
+    trees[0].nodes[1].turn = Turn(bad.action_ids, (float("nan"),) * len(bad.action_ids),
+                                  bad.entropies, "a", bad.reward, bad.terminated)  # fmt: skip
+    learner = Learner(tiny(), LearnerConfig(lr=1e-2, max_bad_steps=3, epochs=2))
+    learner.update(trees, "bpo")  # 2 bad steps: skipped, counted
+    assert learner.bad_in_a_row == 2
+    with pytest.raises(NonFiniteError, match=r"3 non-finite updates in a row \(loss nan"):
+        learner.update(trees, "bpo")
 
 
 def test_ppo_value_head_learns_returns():
