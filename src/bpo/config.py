@@ -107,8 +107,9 @@ class TreeConfig:
     root_width: int = 2
     """Children of the root (1 = single backbone; N with rule none = an independent group)."""
     entropy: str = "first"
-    """Turn entropy for the rule: "first" token (causal, default) or "mean" (see
-    bpo.rollout.engine.RolloutConfig.entropy)."""
+    """Turn entropy for the rule: "first" token (causal, default), "greedy" (mean along the
+    state's greedy continuation: causal, costs a probe) or "mean" of the sampled action
+    (biased; see bpo.rollout.engine.RolloutConfig.entropy)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Extra rule options (quantile, threshold, steps, p, max_branches, max_depth, ...)."""
     fill_budget: bool = True

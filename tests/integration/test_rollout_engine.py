@@ -35,7 +35,8 @@ def agent(tmp_path_factory):
 
 
 def engine(
-    agent, rule, root_width=1, budget=None, max_steps=6, concurrency=3, fill=False, penalty=0.0
+    agent, rule, root_width=1, budget=None, max_steps=6, concurrency=3, fill=False, penalty=0.0,
+    entropy="first",
 ):
     _, _, policy, prompter = agent
     cfg = RolloutConfig(
@@ -45,6 +46,7 @@ def engine(
         concurrency=concurrency,
         fill_budget=fill,
         invalid_penalty=penalty,
+        entropy=entropy,
     )
     return RolloutEngine(
         policy,
@@ -207,3 +209,27 @@ def test_learner_update_on_engine_trees(agent):
     assert np.isfinite(m["loss/total"])
     assert m["learner/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def test_greedy_entropy_is_the_mean_along_the_states_greedy_continuation(agent):
+    """Entropy mode "greedy": each decision's entropy is the mean token entropy of the greedy
+    continuation from that state (a function of the state: the same context always gives the
+    same value), and the probe's tokens are counted as generated."""
+    _, _, policy, _ = agent
+    eng = engine(agent, make_rule("entropy_threshold", k=2, threshold=0.0, max_branches=1),
+                 root_width=1, entropy="greedy")  # fmt: skip
+    try:
+        trees = eng.run(TASKS[:2])
+    finally:
+        eng.close()
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    for t in trees:
+        c = t.meta["compute"]
+        assert 0 < c.probe_tokens < c.generated_tokens
+        assert c.generated_tokens == c.probe_tokens + sum(
+            len(n.turn.action_ids) for n in t.nodes[1:]
+        )
+        node = t.nodes[0]
+        (probe,) = policy.sample([t.context(0)], 1, greedy)[0]
+        assert node.entropy == pytest.approx(float(np.mean(probe.entropies)), abs=1e-5)
+        assert node.branch_k == 2  # threshold 0: the root branches

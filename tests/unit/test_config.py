@@ -49,5 +49,5 @@ def test_missing_and_bad_files(tmp_path):
 
 @pytest.mark.parametrize("value", [".nan", "inf", "-.inf", "1e999"])
 def test_non_finite_numbers_are_rejected(value):
-    with pytest.raises(ConfigError, match="learner.lr must be a finite number"):
+    with pytest.raises(ConfigError, match=r"learner\.lr must be a finite number"):
         load_config(None, [f"learner.lr={value}"])

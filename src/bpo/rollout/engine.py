@@ -20,6 +20,7 @@ method spends the same expected cost in the chosen unit (see ``bpo.rollout.budge
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections import deque
@@ -34,7 +35,7 @@ from bpo.tree import Tree, Turn
 
 __all__ = ["ENTROPY_MODES", "Prompter", "RolloutConfig", "RolloutEngine", "RolloutError"]
 
-ENTROPY_MODES = ("mean", "first")
+ENTROPY_MODES = ("mean", "first", "greedy")
 
 
 class PromptState(Protocol):
@@ -81,7 +82,11 @@ class RolloutConfig:
     so the branch decision is causal and the backbone's action an exact i.i.d. sibling of the
     forks. The mean also depends on the sampled action itself, which makes the decision look at
     the backbone's own action: the exact study measured a bias (z = 5.8) with "mean" and none
-    with "first" (``bpo verify --engine-checks``)."""
+    with "first" (``bpo verify --engine-checks``). "greedy": the mean entropy along the greedy
+    continuation from the state (a second, temperature-0 call on the cached context): a
+    function of the state alone, so causal like "first", but it sees the decisions that come
+    after an almost certain first token (``move`` | ``east``/``west``), at the cost of the probe's
+    tokens, which count as generated tokens."""
     concurrency: int = 8
     """Trees grown at once (one sandbox each); their policy calls are batched together."""
     policy_version: int = 0
@@ -115,7 +120,9 @@ class RolloutConfig:
                 f"max_root_width ({self.max_root_width}) must be >= root_width ({self.root_width})"
             )
         if self.entropy not in ENTROPY_MODES:
-            raise ValueError(f"unknown entropy mode {self.entropy!r}; valid: mean, first")
+            raise ValueError(
+                f"unknown entropy mode {self.entropy!r}; valid: {', '.join(ENTROPY_MODES)}"
+            )
         if self.max_steps < 1 or self.concurrency < 1:
             raise ValueError("max_steps and concurrency must be >= 1")
         if self.max_retries < 0 or not 0.0 <= self.max_fault_frac <= 1.0:
@@ -393,33 +400,51 @@ class RolloutEngine:
         """1. batch the policy over every tree's cursor; 2. branch decision; 3. step sandboxes."""
         contexts = [list(r.prompts[r.cursor.node].ids) for r in runs]  # type: ignore[union-attr]
         t0 = time.perf_counter()
+        samples = self._sample(contexts, self.sampling)
+        probes: list[object | None] = [None] * len(runs)
+        if self.config.entropy == "greedy" and self.rule.causal:
+            need = [i for i, r in enumerate(runs) if not r.cursor.fork_start]  # type: ignore[union-attr]
+            greedy = dataclasses.replace(self.sampling, temperature=0.0)  # type: ignore[type-var]
+            got = self._sample([contexts[i] for i in need], greedy) if need else []
+            for i, (probe,) in zip(need, got, strict=True):
+                probes[i] = probe
+        dt = (time.perf_counter() - t0) / len(runs)
+        for run, ctx, (s,), probe in zip(runs, contexts, samples, probes, strict=True):
+            run.compute.policy_seconds += dt
+            run.compute.generated_tokens += len(s.action_ids)
+            run.compute.prefill_tokens += int(getattr(s, "prefill_tokens", len(ctx)))
+            run.compute.context_tokens += len(ctx)
+            if probe is not None:
+                run.compute.generated_tokens += len(probe.action_ids)
+                run.compute.probe_tokens += len(probe.action_ids)
+            try:
+                self._apply(run, s, probe)
+            except Exception:
+                self._fault(run)
+
+    def _sample(self, contexts: list[list[int]], params: object) -> list:
+        """One policy call, retried as a whole when the backend fails mid-batch."""
         for attempt in range(self.config.max_retries + 1):
             try:
-                samples = self.policy.sample(contexts, 1, self.sampling)
-                break
-            except Exception as e:  # a backend that failed mid-batch: the whole batch again
+                return self.policy.sample(contexts, 1, params)
+            except Exception as e:
                 if attempt == self.config.max_retries:
                     raise RolloutError(
                         f"the policy failed {attempt + 1} times in a row on a batch of "
                         f"{len(contexts)} contexts: {type(e).__name__}: {e}"
                     ) from e
                 self.faults["policy_retries"] += 1
-        dt = (time.perf_counter() - t0) / len(runs)
-        for run, ctx, (s,) in zip(runs, contexts, samples, strict=True):
-            run.compute.policy_seconds += dt
-            run.compute.generated_tokens += len(s.action_ids)
-            run.compute.prefill_tokens += int(getattr(s, "prefill_tokens", len(ctx)))
-            run.compute.context_tokens += len(ctx)
-            try:
-                self._apply(run, s)
-            except Exception:
-                self._fault(run)
+        raise AssertionError("unreachable")
 
-    def _apply(self, run: _TreeRun, s) -> None:
+    def _apply(self, run: _TreeRun, s, probe=None) -> None:
         cur = run.cursor
         assert cur is not None
         tree, node = run.tree, run.tree.nodes[cur.node]
-        ent = _turn_entropy(s.entropies, self.config.entropy)
+        if probe is not None:  # "greedy": the state's greedy continuation
+            ent = _turn_entropy(probe.entropies, "mean")
+        else:
+            mode = self.config.entropy
+            ent = _turn_entropy(s.entropies, "first" if mode == "greedy" else mode)
         if node.entropy is None:
             node.entropy = ent
         if not cur.fork_start:
