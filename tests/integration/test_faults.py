@@ -160,7 +160,8 @@ def test_a_sandbox_that_dies_is_replaced_and_its_tree_keeps_its_complete_rollout
     assert eng.faults["replaced_sandboxes"] >= 1
     assert Faulty.made[0].dead
     _whole(trees)
-    assert len(trees) + eng.faults["failed_trees"] == 3
+    # kept with its complete rollouts, or (none complete) started over in a fresh sandbox
+    assert len(trees) == 3 and eng.faults["failed_trees"] == 0
 
 
 def test_policy_failures_are_retried_then_stop_the_batch(agent):

@@ -193,6 +193,8 @@ class _TreeRun:
     current: _Rollout | None = None
     broken: bool = False
     """The sandbox failed to restore or reset: no further rollout can start in it."""
+    restarted: bool = False
+    """Started over in a fresh sandbox after a broken one left it no complete rollout."""
     started: float = field(default_factory=time.perf_counter)
     backbone: list[tuple[BranchPoint, Snapshot, int]] = field(default_factory=list)
     prompts: dict[int, PromptState] = field(default_factory=dict)
@@ -269,10 +271,18 @@ class RolloutEngine:
                             run.sandbox = self._replace(run.sandbox)
                         if run.tree.leaves() != [0]:
                             done[i] = self._finish(run)
+                        elif run.broken and not run.restarted:  # nothing kept: start it over
+                            again = self._start(run.tree.task, run.tree.seed, run.sandbox)
+                            if again is not None:
+                                again.restarted = True
+                                live[i] = again
+                                continue
+                            run.sandbox = self._replace(None)
+                            self.faults["failed_trees"] += 1
                         else:  # not one complete rollout
                             self.faults["failed_trees"] += 1
                         free.append(run.sandbox)
-                self._check_faults()
+                self._check_faults(final=not (todo or live))
         except BaseException:
             # an error that retries cannot absorb (the policy, too many faults, Ctrl-C) aborts
             # the batch: the trees in flight give back their snapshots, or the sandboxes
@@ -284,10 +294,12 @@ class RolloutEngine:
         self.costs.end_iteration()
         return [done[i] for i in range(len(tasks)) if i in done]
 
-    def _check_faults(self) -> None:
+    def _check_faults(self, final: bool) -> None:
+        """Over the bound: at the end of the batch (at least 4 lost), or already during it
+        once the loss is beyond doubt (at least 20 lost)."""
         f, cap = self.faults, self.config.max_fault_frac
         lost = f["failed_rollouts"]
-        if lost >= 4 and lost > cap * max(f["rollouts"], 1):
+        if lost >= (4 if final else 20) and lost > cap * max(f["rollouts"], 1):
             raise RolloutError(
                 f"{lost} of {f['rollouts']} rollouts were lost to sandbox faults (more than "
                 f"max_fault_frac={cap}); check the sandbox (bpo check-sandbox) or its resources"
