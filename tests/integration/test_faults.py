@@ -188,3 +188,32 @@ def test_too_many_faults_stop_the_batch_with_the_cause(agent):
         assert all(sb.stats().live == 0 for sb in eng._sandboxes)
     finally:
         eng.close()
+
+
+def test_every_injected_fault_kind_over_many_batches_leaks_nothing(agent):
+    """bpo.sandbox.faults at 8% per call (raise, malformed, hang, failed restore, death) over
+    several batches of nested entropy-quantile trees with a budget-filled root: no tree ever
+    ends with a live snapshot, every tree is whole, the sandboxes in use hold nothing after."""
+    from bpo.sandbox.faults import FaultConfig, FaultInjector
+
+    fc = FaultConfig(rate=0.08, kinds=("raise", "malformed", "hang", "restore", "die"),
+                     hang_seconds=0.0)  # fmt: skip
+    base, prompter = agent
+    cfg = RolloutConfig(root_width=2, max_steps=8, budget=Budget("tokens", 300), concurrency=4,
+                        max_fault_frac=0.9, fill_budget=True)  # fmt: skip
+    eng = RolloutEngine(
+        base, prompter, lambda raw, adm: parse_action(raw, adm).text,
+        make_rule("entropy_quantile", k=3), lambda: FaultInjector(make_env("toy"), fc), cfg,
+        SamplingParams(max_new_tokens=8, temperature=1.0),
+    )  # fmt: skip
+    kept = 0
+    try:
+        for it in range(5):
+            trees = eng.run([(f"keydoor-{i % 5}", it * 10 + i) for i in range(8)])
+            kept += len(trees)
+            _whole(trees)
+        assert all(sb.stats().live == 0 for sb in eng._sandboxes)
+    finally:
+        eng.close()
+    assert sum(fc.counts.values()) > 20 and set(fc.counts) == set(fc.kinds)
+    assert kept >= 30  # of 40: a few trees may lose every rollout at this rate

@@ -193,6 +193,8 @@ class _TreeRun:
     current: _Rollout | None = None
     broken: bool = False
     """The sandbox failed to restore or reset: no further rollout can start in it."""
+    dirty: bool = False
+    """A release failed: the sandbox is replaced when the tree is done."""
     restarted: bool = False
     """Started over in a fresh sandbox after a broken one left it no complete rollout."""
     started: float = field(default_factory=time.perf_counter)
@@ -271,6 +273,9 @@ class RolloutEngine:
                             run.sandbox = self._replace(run.sandbox)
                         if run.tree.leaves() != [0]:
                             done[i] = self._finish(run)
+                            if run.dirty or done[i].meta["live_snapshots_after"]:
+                                # a leak or a failed release: do not hand this one on
+                                run.sandbox = self._replace(run.sandbox)
                         elif run.broken and not run.restarted:  # nothing kept: start it over
                             again = self._start(run.tree.task, run.tree.seed, run.sandbox)
                             if again is not None:
@@ -667,7 +672,10 @@ class RolloutEngine:
         return obs
 
     def _release(self, run: _TreeRun, snap: Snapshot) -> None:
-        run.sandbox.release(snap)
+        try:
+            run.sandbox.release(snap)
+        except Exception:
+            run.dirty = True  # its snapshots are no longer accounted for: replace it after
 
     def _abandon(self, run: _TreeRun) -> None:
         """Release every snapshot a dropped tree still holds; errors here are secondary."""

@@ -95,8 +95,7 @@ class FaultInjector:
         return self.inner.snapshot()
 
     def release(self, snapshot: Any) -> None:
-        if not self._dead:
-            self.inner.release(snapshot)
+        self.inner.release(snapshot)  # bookkeeping works on a dead sandbox, as in LocalSandbox
 
     def close(self) -> None:
         self.inner.close()
