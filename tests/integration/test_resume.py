@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,39 @@ def test_resume_after_sigint_and_sigkill_reproduces_the_uninterrupted_run(tmp_pa
     assert oa.keys() == ob.keys()
     for k in oa:
         assert all(torch.equal(oa[k][n], ob[k][n]) for n in oa[k]), f"optimizer state {k}"
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_then_resume_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    """SIGKILL at moments spread over a whole run (during the warm start, the rollouts, the
+    update, a checkpoint write or the final evaluation, wherever they fall), then ``--resume``:
+    each resumed run ends with the uninterrupted run's metrics, trees and weights."""
+    ref = tmp_path / "ref"
+    t0 = time.perf_counter()
+    done = subprocess.run([*BPO, "--out", str(ref), *ARGS], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    wall = time.perf_counter() - t0
+    assert done.returncode == 0, done.stdout + done.stderr
+    for frac in (0.3, 0.55, 0.8):
+        run = tmp_path / f"kill-{frac}"
+        proc = subprocess.Popen([*BPO, "--out", str(run), *ARGS], cwd=ROOT, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            proc.wait(timeout=frac * wall)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+        ckpts = sorted((run / "checkpoints").glob("iter-*")) if (run / "checkpoints").exists() else []
+        resumed = subprocess.run(
+            [*BPO, "--resume", str(run)] if (run / "config.yaml").exists()
+            else [*BPO, "--out", str(run), *ARGS],
+            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        where = f"killed at {frac:.2f} of {wall:.0f} s ({[p.name for p in ckpts]})"
+        assert resumed.returncode == 0, where + resumed.stdout + resumed.stderr
+        for ra, rb in zip(_rows(ref), _rows(run), strict=True):
+            _same(ra, rb, f"{where}: metrics.jsonl iteration {ra['iteration']}")
+        _same(_trees(ref), _trees(run), f"{where}: trees.jsonl")
+        wa = load_file(str(ref / "checkpoints/iter-000004/model.safetensors"))
+        wb = load_file(str(run / "checkpoints/iter-000004/model.safetensors"))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), f"{where}: final weights differ"
