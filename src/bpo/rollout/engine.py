@@ -104,7 +104,8 @@ class RolloutConfig:
     dropped; see :meth:`RolloutEngine.run` for what a drop means for the estimator."""
     max_fault_frac: float = 0.25
     """A batch stops with :class:`RolloutError` when more than this share of its rollouts is
-    dropped (after at least 4 drops): faults that common are a broken setup, not noise."""
+    dropped (judged at its end from 4 drops, or during it from 20): faults that common are a
+    broken setup, not noise."""
     invalid_penalty: float = 0.0
     """Subtracted from a turn's reward when its action is invalid: the sample ran out of
     tokens before a stop token, or (where the sandbox lists admissible actions) the command is
