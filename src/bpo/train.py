@@ -101,13 +101,14 @@ class Trainer:
         s = cfg.sandbox
         self.env_factory = lambda: make_env(s.name, s.backend, **s.options)
         self.train_factory = self.env_factory
+        self.fault_config: FaultConfig | None = None
         if s.faults:
             try:
                 self.fault_config = FaultConfig(**s.faults)
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"sandbox.faults={s.faults}: {e}") from None
             fc = self.fault_config
-            self.train_factory = lambda: FaultInjector(self.env_factory(), fc)
+            self.train_factory = lambda: FaultInjector(self.env_factory(), fc)  # soak runs only
         self._check_env()
         self.train_tasks = self._tasks(s.train_split, s.num_train_tasks)
         self.eval_tasks = self._tasks(s.eval_split, s.num_eval_tasks)
@@ -415,7 +416,7 @@ class Trainer:
         m = {**tree_metrics(trees), **upd, "time/rollout_s": t1 - t0,
              "time/iteration_s": time.perf_counter() - t0}  # fmt: skip
         m["time/tokens_per_s"] = m["compute/generated_tokens"] / max(t1 - t0, 1e-9)
-        if getattr(self, "fault_config", None) is not None:
+        if self.fault_config is not None:
             m.update({f"faults/injected_{k}": v for k, v in self.fault_config.counts.items()})
         m.update({"rollout/retries": faults["retries"], "rollout/failed_episodes":
                   faults["failed_rollouts"], "rollout/failed_trees": faults["failed_trees"],
