@@ -18,6 +18,7 @@ function of the tree: no trainer state, no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -133,6 +134,20 @@ def node_values(t: TreeIndex) -> tuple[np.ndarray, np.ndarray]:
     return v, q
 
 
+def _inv_std(x: np.ndarray, eps: float) -> float:
+    """``1 / (sample std + eps)`` for std normalisation; 1 when that is not finite or not
+    positive (a group of equal values, whose centred advantages are all 0 anyway, with
+    ``eps = 0``)."""
+    d = float(np.std(x, ddof=1)) + eps
+    if not d > 0:
+        return 1.0
+    try:
+        inv = 1.0 / d
+    except OverflowError:  # a subnormal d
+        return 1.0
+    return inv if math.isfinite(inv) else 1.0
+
+
 def _loo_mean(x: np.ndarray) -> np.ndarray:
     """Leave-one-out mean of each entry among the others ([k] -> [k]).
 
@@ -235,7 +250,7 @@ def bpo(
             a = qs - loo
             s = 1.0
             if std_normalize:
-                s = 1.0 / (float(np.std(qs, ddof=1)) + eps)
+                s = _inv_std(qs, eps)
             for c, b, ai in zip(ch, loo, a, strict=True):
                 adv[c] = ai * s
                 base[c] = b - tree.rewards[c]
@@ -322,7 +337,7 @@ def grpo(
     ret = _episode_returns(tree, eps_)
     adv = ret - ret.mean() if len(ret) else ret
     if std_normalize and len(ret) >= 2:
-        adv = adv / (float(np.std(ret, ddof=1)) + eps)
+        adv = adv * _inv_std(ret, eps)
     return _broadcast(len(tree.parents), eps_, adv)
 
 
@@ -359,7 +374,7 @@ def gigpo(
     def norm(x: np.ndarray) -> np.ndarray:
         centred = x - x.mean()
         if std_normalize and len(x) >= 2:
-            centred = centred / (float(np.std(x, ddof=1)) + eps)
+            centred = centred * _inv_std(x, eps)
         return centred
 
     ep_adv = norm(ret) if len(ret) else ret

@@ -189,3 +189,10 @@ def test_gae_on_a_chain_matches_hand_computation():
     d1 = 0.0 + 0.9 * 0.6 - 0.5
     np.testing.assert_allclose(adv, [0, d1 + 0.9 * 0.8 * d2, d2])
     np.testing.assert_allclose(ret[1:], adv[1:] + np.array([0.5, 0.6]))
+
+
+@pytest.mark.parametrize("name", ["bpo", "grpo", "gigpo"])
+def test_std_normalisation_with_eps_zero_on_equal_returns_gives_zero_advantages(name):
+    fps = {"fingerprints": ["r", "a", "a"]} if name == "gigpo" else {}
+    res = compute(name, [-1, 0, 0], [0.0, 1.0, 1.0], std_normalize=True, eps=0.0, **fps)
+    assert np.all(res.advantage == 0.0)
