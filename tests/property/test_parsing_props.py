@@ -85,12 +85,14 @@ def _is_blank(text: str) -> bool:
 @example(raw="", admissible=None, snap=True)
 @example(raw="\ud800 go", admissible=["go"], snap=True)
 @example(raw="Action:\n", admissible=[], snap=True)
+@example(raw=".", admissible=["."], snap=True)  # cleans to nothing, passes through, listed
 def test_any_text_parses_to_one_command(raw, admissible, snap):
     res = parse_action(raw, admissible, snap)
     assert isinstance(res, ParsedAction) and res.raw == raw
     if res.snapped:
         assert snap and admissible is not None and res.text in admissible
         return
+    assert not (snap and admissible and res.text in admissible), "listed but not marked snapped"
     assert "\n" not in res.text and "\r" not in res.text
     assert res.text == res.text.strip() and len(res.text) <= MAX_CHARS
     assert res.text or _is_blank(raw), f"{raw!r} is not blank but parsed to nothing"

@@ -63,7 +63,8 @@ def parse_action(
             hit = lookup.get(_norm(cand))
             if hit is not None:
                 return ParsedAction(hit, raw, True)
-    return ParsedAction(text, raw, False)
+    # text that passed through unchanged (nothing was left after cleaning) may still be listed
+    return ParsedAction(text, raw, bool(snap and admissible) and text in set(admissible or ()))
 
 
 def _candidates(raw: str) -> list[str]:
