@@ -10,9 +10,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import random
-from typing import ClassVar
-
 import pytest
 import torch
 
@@ -24,7 +21,7 @@ from bpo.policy.prompts import PromptBuilder
 from bpo.policy.protocol import SamplingParams
 from bpo.rollout import Budget, RolloutConfig, RolloutEngine, RolloutError
 from bpo.sandbox import make_env
-from bpo.sandbox.protocol import SandboxError
+from bpo.sandbox.faults import FaultConfig, FaultInjector
 
 TASKS = [(f"keydoor-{i}", i) for i in range(1, 7)]
 
@@ -39,58 +36,28 @@ def agent(tmp_path_factory):
     return HFPolicy(model, tok, seed=0), PromptBuilder(tok, max_admissible=8)
 
 
-class Faulty:
-    """A real sandbox with faults injected at random (seeded): ``step`` raises or returns a
-    malformed result, ``restore`` fails; after ``die_after`` steps every call fails."""
+def injector(made: list, rate: float, kinds: tuple[str, ...], seed: int = 0):
+    """A factory of toy sandboxes wrapped in the production fault injector; keeps them."""
+    fc = FaultConfig(rate=rate, kinds=kinds, hang_seconds=0.0, seed=seed)
 
-    made: ClassVar[list[Faulty]] = []
+    def factory():
+        made.append(FaultInjector(make_env("toy"), fc))
+        return made[-1]
 
-    def __init__(self, rng: random.Random, p_step=0.0, p_bad=0.0, p_restore=0.0, die_after=None):
-        self.inner = make_env("toy")
-        self.rng, self.p_step, self.p_bad, self.p_restore = rng, p_step, p_bad, p_restore
-        self.die_after, self.steps, self.dead = die_after, 0, False
-        Faulty.made.append(self)
+    return factory
 
-    def _alive(self) -> None:
-        if self.dead:
-            raise SandboxError("injected: the sandbox is dead")
 
-    def reset(self, task, seed):
-        self._alive()
-        return self.inner.reset(task, seed)
+class DiesAtStep(FaultInjector):
+    """Dies for good at its ``at``-th step, then fails every call (no random faults)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(make_env("toy"), FaultConfig())
+        self.at, self.steps = at, 0
 
     def step(self, action):
-        self._alive()
         self.steps += 1
-        if self.die_after is not None and self.steps >= self.die_after:
-            self.dead = True
-            raise SandboxError("injected: the sandbox died")
-        if self.rng.random() < self.p_step:
-            raise SandboxError("injected: step failed")
-        res = self.inner.step(action)
-        return None if self.rng.random() < self.p_bad else res
-
-    def snapshot(self):
-        self._alive()
-        return self.inner.snapshot()
-
-    def restore(self, snap):
-        self._alive()
-        if self.rng.random() < self.p_restore:
-            raise SandboxError("injected: restore failed")
-        return self.inner.restore(snap)
-
-    def release(self, snap):
-        self.inner.release(snap)
-
-    def fingerprint(self):
-        return self.inner.fingerprint()
-
-    def stats(self):
-        return self.inner.stats()
-
-    def close(self):
-        self.inner.close()
+        self._dead = self._dead or self.steps >= self.at
+        return super().step(action)
 
 
 class FlakyPolicy:
@@ -106,14 +73,15 @@ class FlakyPolicy:
         return self.inner.sample(contexts, n, params)
 
 
-def _engine(agent, factory, policy=None, rule=None, retries=2, frac=0.5):
+def _engine(agent, factory, policy=None, rule=None, retries=2, frac=0.5, tokens=12, **config):
     base, prompter = agent
-    cfg = RolloutConfig(root_width=2, max_steps=6, budget=Budget("tokens", 300), concurrency=3,
-                        max_retries=retries, max_fault_frac=frac)  # fmt: skip
+    cfg = RolloutConfig(**{"root_width": 2, "max_steps": 6, "budget": Budget("tokens", 300),
+                           "concurrency": 3, "max_retries": retries, "max_fault_frac": frac,
+                           **config})  # fmt: skip
     return RolloutEngine(
         policy or base, prompter, lambda raw, adm: parse_action(raw, adm).text,
         rule or make_rule("every", k=2, max_branches=2), factory, cfg,
-        SamplingParams(max_new_tokens=12, temperature=1.0),
+        SamplingParams(max_new_tokens=tokens, temperature=1.0),
     )  # fmt: skip
 
 
@@ -128,9 +96,8 @@ def _whole(trees) -> None:
 
 
 def test_random_step_faults_are_retried_and_trees_stay_whole(agent):
-    rng = random.Random(0)
-    Faulty.made.clear()
-    eng = _engine(agent, lambda: Faulty(rng, p_step=0.08, p_bad=0.04, p_restore=0.1))
+    made: list[FaultInjector] = []
+    eng = _engine(agent, injector(made, 0.1, ("raise", "malformed", "restore")))
     try:
         trees = eng.run(TASKS)
     finally:
@@ -139,18 +106,15 @@ def test_random_step_faults_are_retried_and_trees_stay_whole(agent):
     assert len(trees) + eng.faults["failed_trees"] == len(TASKS)
     _whole(trees)
     assert sum(t.meta["compute"].retries for t in trees) <= eng.faults["retries"]
-    assert all(f.inner.stats().live == 0 for f in Faulty.made)
+    assert all(f.inner.stats().live == 0 for f in made)
 
 
 def test_a_sandbox_that_dies_is_replaced_and_its_tree_keeps_its_complete_rollouts(agent):
-    rng = random.Random(1)
-    Faulty.made.clear()
-    first = {"done": False}
+    made: list[FaultInjector] = []
 
-    def factory():
-        die = None if first["done"] else 9  # the first sandbox dies at its 9th step
-        first["done"] = True
-        return Faulty(rng, die_after=die)
+    def factory():  # the first sandbox dies at its 9th step, the others have no faults
+        made.append(DiesAtStep(9) if not made else FaultInjector(make_env("toy"), FaultConfig()))
+        return made[-1]
 
     eng = _engine(agent, factory)
     try:
@@ -158,7 +122,7 @@ def test_a_sandbox_that_dies_is_replaced_and_its_tree_keeps_its_complete_rollout
     finally:
         eng.close()
     assert eng.faults["replaced_sandboxes"] >= 1
-    assert Faulty.made[0].dead
+    assert made[0]._dead
     _whole(trees)
     # kept with its complete rollouts, or (none complete) started over in a fresh sandbox
     assert len(trees) == 3 and eng.faults["failed_trees"] == 0
@@ -180,8 +144,7 @@ def test_policy_failures_are_retried_then_stop_the_batch(agent):
 
 
 def test_too_many_faults_stop_the_batch_with_the_cause(agent):
-    rng = random.Random(2)
-    eng = _engine(agent, lambda: Faulty(rng, p_step=0.9), retries=1, frac=0.25)
+    eng = _engine(agent, injector([], 0.9, ("raise",), seed=2), retries=1, frac=0.25)
     try:
         with pytest.raises(RolloutError, match=r"lost to sandbox faults.*max_fault_frac=0\.25"):
             eng.run(TASKS)
@@ -194,18 +157,10 @@ def test_every_injected_fault_kind_over_many_batches_leaks_nothing(agent):
     """bpo.sandbox.faults at 8% per call (raise, malformed, hang, failed restore, death) over
     several batches of nested entropy-quantile trees with a budget-filled root: no tree ever
     ends with a live snapshot, every tree is whole, the sandboxes in use hold nothing after."""
-    from bpo.sandbox.faults import FaultConfig, FaultInjector
-
-    fc = FaultConfig(rate=0.08, kinds=("raise", "malformed", "hang", "restore", "die"),
-                     hang_seconds=0.0)  # fmt: skip
-    base, prompter = agent
-    cfg = RolloutConfig(root_width=2, max_steps=8, budget=Budget("tokens", 300), concurrency=4,
-                        max_fault_frac=0.9, fill_budget=True)  # fmt: skip
-    eng = RolloutEngine(
-        base, prompter, lambda raw, adm: parse_action(raw, adm).text,
-        make_rule("entropy_quantile", k=3), lambda: FaultInjector(make_env("toy"), fc), cfg,
-        SamplingParams(max_new_tokens=8, temperature=1.0),
-    )  # fmt: skip
+    made: list[FaultInjector] = []
+    kinds = ("raise", "malformed", "hang", "restore", "die")
+    eng = _engine(agent, injector(made, 0.08, kinds), rule=make_rule("entropy_quantile", k=3),
+                  frac=0.9, tokens=8, max_steps=8, concurrency=4, fill_budget=True)  # fmt: skip
     kept = 0
     try:
         for it in range(5):
@@ -215,5 +170,6 @@ def test_every_injected_fault_kind_over_many_batches_leaks_nothing(agent):
         assert all(sb.stats().live == 0 for sb in eng._sandboxes)
     finally:
         eng.close()
-    assert sum(fc.counts.values()) > 20 and set(fc.counts) == set(fc.kinds)
+    counts = made[0].config.counts
+    assert sum(counts.values()) > 20 and set(counts) == set(kinds)
     assert kept >= 30  # of 40: a few trees may lose every rollout at this rate
