@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bpo.sandbox.faults import soak_overrides
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -50,12 +52,8 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out or tempfile.mkdtemp(prefix="bpo-soak-"))
     common = ["--config", a.config, f"run.iterations={a.iterations}", *a.overrides]
-    faults = [
-        f"sandbox.faults.rate={a.rate}", "sandbox.faults.hang_seconds=0.05",
-        "sandbox.faults.kinds=[raise,malformed,hang,restore,die]", "run.max_fault_frac=0.5",
-    ]  # fmt: skip
     clean = _run(out / "clean", common)
-    faulty = _run(out / "faulty", [*common, *faults])
+    faulty = _run(out / "faulty", [*common, *soak_overrides(a.rate)])
     print(f"config {a.config}, {a.iterations} iterations, fault rate {a.rate}, runs in {out}\n")
     print("| run | wall s | faults injected | rollouts restarted | rollouts lost | trees lost "
           "| live snapshots after trees | held-out success before -> after |")  # fmt: skip

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from bpo.sandbox.faults import soak_overrides
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
 ARGS = [
@@ -21,10 +23,7 @@ ARGS = [
     "sandbox.num_train_tasks=8", "sft.epochs=2", "budget.amount=150", "run.max_steps=6",
     "run.log_trees=1",
 ]  # fmt: skip
-FAULTS = [
-    "sandbox.faults.rate=0.05", "sandbox.faults.hang_seconds=0.05",
-    "sandbox.faults.kinds=[raise,malformed,hang,restore,die]", "run.max_fault_frac=0.5",
-]  # fmt: skip
+FAULTS = soak_overrides(0.05)
 
 
 @pytest.mark.slow

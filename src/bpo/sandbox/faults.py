@@ -18,7 +18,7 @@ from typing import Any
 
 from bpo.sandbox.protocol import SandboxError
 
-__all__ = ["FAULT_KINDS", "FaultConfig", "FaultInjector"]
+__all__ = ["FAULT_KINDS", "FaultConfig", "FaultInjector", "soak_overrides"]
 
 FAULT_KINDS = ("raise", "malformed", "hang", "restore", "die")
 
@@ -102,3 +102,12 @@ class FaultInjector:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def soak_overrides(rate: float) -> list[str]:
+    """``bpo train`` overrides of a soak run: every fault kind at ``rate`` per call, short hangs,
+    and a fault bound loose enough that the injected rate alone never stops the run."""
+    return [
+        f"sandbox.faults.rate={rate}", "sandbox.faults.hang_seconds=0.05",
+        f"sandbox.faults.kinds=[{','.join(FAULT_KINDS)}]", "run.max_fault_frac=0.5",
+    ]  # fmt: skip
