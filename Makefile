@@ -11,13 +11,15 @@ EXTRAS ?= all
 setup: system-deps $(VENV)/.installed
 
 # Debian packages: Java (ScienceWorld, TextWorld-Express), g++/cmake (TextWorld's PDDL planner
-# builds from source), Chromium (the viewer's browser test). Installed only when missing.
+# builds from source), Chromium (the viewer's browser test), bubblewrap, git, tar and zstd (the
+# code sandbox's command jail and workspaces). Installed only when missing.
 system-deps:
 	@command -v java >/dev/null && command -v g++ >/dev/null && command -v cmake >/dev/null \
-	  && command -v chromium >/dev/null || { \
-	  echo "installing Debian packages (java, g++, cmake, chromium)"; \
+	  && command -v chromium >/dev/null && command -v bwrap >/dev/null \
+	  && command -v git >/dev/null && command -v zstd >/dev/null || { \
+	  echo "installing Debian packages (java, g++, cmake, chromium, bubblewrap, git, zstd)"; \
 	  apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless g++ cmake chromium \
-	  >/dev/null; }
+	  bubblewrap git tar zstd >/dev/null; }
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)

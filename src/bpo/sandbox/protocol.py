@@ -133,6 +133,10 @@ class NativeState(Protocol):
         references into it that later steps would mutate."""
         ...
 
+    # Optional: ``release_state(state)``, called when the snapshot holding ``state`` is
+    # released, for states that hold resources outside the Python object (the code sandbox's
+    # workspace layers on disk).
+
 
 @runtime_checkable
 class FastReplay(Protocol):

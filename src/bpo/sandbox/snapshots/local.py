@@ -48,6 +48,10 @@ class StateStore(Protocol):
         """Bring ``engine`` (or a new engine) to ``record``'s state and return it."""
         ...
 
+    def drop(self, engine: Engine, record: Record) -> None:
+        """``record`` was released: free what its payload holds outside this process."""
+        ...
+
 
 class NativeStore:
     """The engine's own ``get_state``/``set_state``."""
@@ -63,6 +67,11 @@ class NativeStore:
     def load(self, engine: Engine, record: Record) -> Engine:
         engine.set_state(record.payload)  # type: ignore[attr-defined]
         return engine
+
+    def drop(self, engine: Engine, record: Record) -> None:
+        release = getattr(engine, "release_state", None)  # states held outside the process
+        if release is not None:
+            release(record.payload)
 
 
 class PickleStore:
@@ -90,6 +99,9 @@ class PickleStore:
             return engine
         return pickle.loads(record.payload)
 
+    def drop(self, engine: Engine, record: Record) -> None:
+        pass
+
 
 class ReplayStore:
     """No payload: restore = reset + replay of the action prefix, verified step by step."""
@@ -116,6 +128,9 @@ class ReplayStore:
                 "observation; the engine's observation depends on something outside its state"
             )
         return engine
+
+    def drop(self, engine: Engine, record: Record) -> None:
+        pass
 
 
 class LocalSandbox:
@@ -193,7 +208,11 @@ class LocalSandbox:
         return obs
 
     def release(self, snapshot: Snapshot) -> None:
-        self._ledger.pop(snapshot)
+        record = self._ledger.pop(snapshot)
+        try:
+            self._store.drop(self._engine, record)
+        except Exception as e:  # the snapshot is gone either way; the engine's state is intact
+            raise SnapshotError(f"releasing snapshot {snapshot.id} failed", e) from e
 
     def stats(self) -> SnapshotStats:
         return self._ledger.stats()
@@ -202,9 +221,12 @@ class LocalSandbox:
         if self._closed:
             return
         self._closed = True
-        for record in self._ledger.records():
-            self._ledger.pop(record.snapshot)
-        self._engine.close()
+        try:
+            for record in self._ledger.records():
+                self._ledger.pop(record.snapshot)
+                self._store.drop(self._engine, record)
+        finally:
+            self._engine.close()
 
     def __enter__(self) -> LocalSandbox:
         return self
