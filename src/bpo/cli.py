@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-sandbox": ("bpo.sandbox.check_cli:main", "check a sandbox against its contract"),
     "view": ("bpo.view:main", "write an HTML page of a run's sampled trees and curves"),
     "report": ("bpo.report:main", "(re)write a run's plots and report.md"),
+    "tasks": ("bpo.tasks_cli:main", "generate task sets (code: SWE-style repair tasks from PyPI sdists)"),
 }
 
 
