@@ -16,6 +16,7 @@ ARGS = {
     "twx": ["--task", "coin/seed=1/numLocations=3"],
     "alfworld": ["--tasks", "1"],
     "scienceworld": ["--task", "boil/var=0", "--option", "admissible=false"],
+    "code": ["--tasks", "1"],
 }
 
 

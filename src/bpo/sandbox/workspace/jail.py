@@ -51,6 +51,8 @@ from pathlib import Path
 WORKSPACE = "/workspace"
 """Where the workspace appears inside the sandbox (the command's working directory)."""
 _PYROOT = "/opt/bpo-python"
+PYTHON_LIB = f"{_PYROOT}/lib"
+"""Where ``python_packages`` are importable from inside the sandbox (first on PYTHONPATH)."""
 _PYTEST_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py")
 
 
@@ -254,12 +256,12 @@ class Jail:
         argv += ["--dir", f"{_PYROOT}/bin", "--symlink", str(python), f"{_PYROOT}/bin/python"]
         argv += ["--symlink", str(python), f"{_PYROOT}/bin/python3"]
         for path in sorted(self._packages.values()):
-            argv += ["--ro-bind", path, f"{_PYROOT}/lib/{Path(path).name}"]
+            argv += ["--ro-bind", path, f"{PYTHON_LIB}/{Path(path).name}"]
         env = {
             "PATH": f"{_PYROOT}/bin:/usr/local/bin:/usr/bin",
             "HOME": "/tmp",
             "LANG": "C.UTF-8",
-            "PYTHONPATH": f"{_PYROOT}/lib",
+            "PYTHONPATH": PYTHON_LIB,
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONHASHSEED": "0",
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
