@@ -193,3 +193,13 @@ def test_an_actor_dying_mid_rollout_is_survived_by_the_engine(pool, tmp_path):
     for t in trees:
         assert t.meta["live_snapshots_after"] == 0
         assert all(t.nodes[leaf].terminal for leaf in t.leaves())
+
+
+def test_code_sandbox_passes_the_checker_in_the_pool(local_ray):
+    """The code sandbox's workspaces (overlay servers, jails) live in the actor's process."""
+    from bpo.sandbox.envs import code
+
+    task = code.tasks("train")[0]
+    with SandboxPool("code", 1, env_options={"max_steps": 8}, backend="native") as p:
+        report = check_sandbox(p.open, [task], max_steps=6, stress_nodes=8)
+    assert report.backend == "ray:native" and len(report.properties) == 7
