@@ -52,3 +52,21 @@ def test_bpo_train_on_code_tasks(tmp_path: Path) -> None:
     trees = [json.loads(line) for line in (out / "trees.jsonl").read_text().splitlines()]
     assert trees, "no sampled trees recorded"
     assert _bpo_leftovers() <= before, "workspace layers, servers or cgroups left behind"
+
+
+@pytest.mark.slow
+def test_bpo_compare_on_code_tasks(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    cmd = [
+        sys.executable, "-m", "bpo.cli", "compare", "--config", str(ROOT / "configs/code.yaml"),
+        "--quick", "--methods", "bpo,grpo", "--seeds", "2", "--variance-batches", "0",
+        "--out", str(out), "run.iterations=1", "sandbox.num_train_tasks=4",
+        "sandbox.num_eval_tasks=2", "sft.epochs=1",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=1200,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["curves"]) == {"bpo", "grpo"} and "ratios" in summary
