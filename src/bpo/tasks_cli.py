@@ -16,13 +16,13 @@ from pathlib import Path
 
 
 def _generate_code(args: argparse.Namespace) -> int:
-    from bpo.sandbox.envs import code_tasks
+    from bpo.sandbox.envs import code_generate, code_tasks
 
     projects = args.projects.split(",") if args.projects else None
-    per_project = args.per_project or code_tasks.PER_PROJECT
+    per_project = args.per_project or code_generate.PER_PROJECT
     t0 = time.monotonic()
     try:
-        tasks = code_tasks.generate(
+        tasks = code_generate.generate(
             projects, per_project=per_project, jobs=args.jobs,
             data_dir=Path(args.data) if args.data else code_tasks.DATA_DIR,
         )  # fmt: skip

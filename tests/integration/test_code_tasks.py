@@ -12,21 +12,18 @@ from pathlib import Path
 import pytest
 
 from bpo import tasks_cli
-from bpo.sandbox.envs import code_tasks
+from bpo.sandbox.envs import code_generate, code_tasks
+from bpo.sandbox.envs.code_generate import KINDS, failure_reports, mutants, unified_diff
 from bpo.sandbox.envs.code_tasks import (
-    KINDS,
     PROJECTS,
     GenerationError,
     Task,
-    failure_reports,
     judge,
     load_tasks,
-    mutants,
     parse_summary,
     prepare_workspace,
     restore_test_files,
     run_tests,
-    unified_diff,
 )
 from bpo.sandbox.workspace.jail import Jail, Limits
 
@@ -58,7 +55,7 @@ def test_shipped_set_has_enough_tasks_projects_kinds_and_both_splits() -> None:
         assert t.test_patch == ""
         assert t.instance_id.startswith(f"{t.project}__{t.project}-")
         assert not set(t.FAIL_TO_PASS) & set(t.PASS_TO_PASS)
-        assert 1 <= len(t.FAIL_TO_PASS) <= code_tasks.MAX_FAILING
+        assert 1 <= len(t.FAIL_TO_PASS) <= code_generate.MAX_FAILING
         assert t.test_command == f"{t.test_runner} {' '.join(t.test_directives)}"
         assert t.mutation["file"] not in t.test_files
         # the statement is written from the failures, not the diff
@@ -208,15 +205,15 @@ def test_mutants_cover_the_four_kinds_with_one_span_edits() -> None:
 
 def test_unknown_project_is_refused_with_the_valid_names() -> None:
     with pytest.raises(GenerationError, match="valid projects: toolz, parse"):
-        code_tasks.generate(["nope"])
+        code_generate.generate(["nope"])
 
 
 def test_missing_or_altered_sdist_is_refused_with_the_download_command(tmp_path: Path) -> None:
     with pytest.raises(GenerationError, match=r"not found .*pip download --no-deps"):
-        code_tasks.generate(["parse"], data_dir=tmp_path)
+        code_generate.generate(["parse"], data_dir=tmp_path)
     (tmp_path / PROJECTS["parse"].sdist).write_bytes(b"not the sdist")
     with pytest.raises(GenerationError, match=r"sha256 .*pip download"):
-        code_tasks.generate(["parse"], data_dir=tmp_path)
+        code_generate.generate(["parse"], data_dir=tmp_path)
 
 
 def test_cli_refuses_an_unknown_family_and_project(capsys: pytest.CaptureFixture[str]) -> None:
