@@ -16,11 +16,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("bpo.evaluate:main", "evaluate a run or checkpoint on held-out tasks"),
     "verify": ("bpo.analysis.verify:main", "exact check of every estimator on tabular MDPs"),
     "init-model": ("bpo.policy.models:init_model_main", "build a tiny random-init chat model dir"),
-    "fetch-model": ("bpo.policy.models:fetch_model_main", "install a pretrained model (smollm2-135m)"),
+    "fetch-model": (
+        "bpo.policy.models:fetch_model_main",
+        "install a pretrained model (smollm2-135m)",
+    ),
     "check-sandbox": ("bpo.sandbox.check_cli:main", "check a sandbox against its contract"),
     "view": ("bpo.view:main", "write an HTML page of a run's sampled trees and curves"),
     "report": ("bpo.report:main", "(re)write a run's plots and report.md"),
-    "tasks": ("bpo.tasks_cli:main", "generate task sets (code: SWE-style repair tasks from PyPI sdists)"),
+    "tasks": (
+        "bpo.tasks_cli:main",
+        "generate task sets (code: SWE-style repair tasks from PyPI sdists)",
+    ),
+    "serve-shop": (
+        "bpo.web.serve:main",
+        "serve the local web shop (the web sandbox's site) for a person or an agent",
+    ),
 }
 
 

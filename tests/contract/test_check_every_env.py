@@ -17,6 +17,7 @@ ARGS = {
     "alfworld": ["--tasks", "1"],
     "scienceworld": ["--task", "boil/var=0", "--option", "admissible=false"],
     "code": ["--tasks", "1"],
+    "web": ["--tasks", "2"],
 }
 
 

@@ -12,7 +12,7 @@ from bpo.sandbox.protocol import EnvSpec
 ENVS: Registry[EnvSpec] = Registry("environment")
 
 # Modules that register environments; add a new environment's module here.
-_MODULES = ("toy", "textworld", "scienceworld", "twx", "alfworld", "mdp", "code")
+_MODULES = ("toy", "textworld", "scienceworld", "twx", "alfworld", "mdp", "code", "web")
 
 
 def load_all() -> Registry[EnvSpec]:
