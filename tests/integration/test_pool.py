@@ -203,3 +203,18 @@ def test_code_sandbox_passes_the_checker_in_the_pool(local_ray):
     with SandboxPool("code", 1, env_options={"max_steps": 8}, backend="native") as p:
         report = check_sandbox(p.open, [task], max_steps=6, stress_nodes=8)
     assert report.backend == "ray:native" and len(report.properties) == 7
+
+
+def test_web_sandboxes_share_one_shop_in_the_pool(local_ray):
+    """Many actors' sandboxes talk to one shop server over HTTP; each has its own session."""
+    from bpo.sandbox.envs import web
+    from bpo.web.serve import start_server
+
+    url, stop = start_server()
+    try:
+        tasks = web.tasks("train", url=url)[:2]
+        with SandboxPool("web", 2, env_options={"url": url}, backend="native") as p:
+            report = check_sandbox(p.open, tasks, max_steps=6, stress_nodes=8)
+    finally:
+        stop()
+    assert report.backend == "ray:native" and len(report.properties) == 7

@@ -1,6 +1,6 @@
-"""``bpo train`` on the code sandbox at a tiny scale, through the real command line: it
-completes, writes its run directory, trees branch in real workspaces, and it leaves no
-workspace server, layer directory or cgroup behind."""
+"""``bpo train`` and ``bpo compare`` on the code and web sandboxes at a tiny scale, through
+the real command line: they complete and write their run directories; the code sandbox leaves
+no workspace server, layer directory or cgroup behind, the web sandbox no shop server."""
 
 from __future__ import annotations
 
@@ -70,3 +70,27 @@ def test_bpo_compare_on_code_tasks(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["curves"]) == {"bpo", "grpo"} and "ratios" in summary
+
+
+@pytest.mark.slow
+def test_bpo_train_and_compare_on_web_tasks(tmp_path: Path) -> None:
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    small = ["run.iterations=1", "sandbox.num_train_tasks=6", "sandbox.num_eval_tasks=2",
+             "sft.epochs=2", "run.tasks_per_iteration=4"]  # fmt: skip
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    for argv in (
+        ["train", "--out", str(tmp_path / "run")],
+        ["compare", "--quick", "--methods", "bpo,grpo", "--seeds", "2", "--variance-batches",
+         "0", "--out", str(tmp_path / "cmp")],
+    ):  # fmt: skip
+        cmd = [sys.executable, "-m", "bpo.cli", argv[0], "--config", str(ROOT / "configs/web.yaml"),
+               *argv[1:], *small]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and json.loads(rows[0])["compute/sandbox_steps"] > 0
+    assert "ratios" in json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not left, f"processes left behind: {left}"
