@@ -38,6 +38,8 @@ CASES = {
     "twx": ("twx", {}, "coin/seed=1", 50),
     "alfworld": ("alfworld", {}, "pick_and_place_simple/FloorPlan315/0", 30),
     "scienceworld": ("scienceworld", {}, "find-animal/var=7", 8),
+    "code": ("code", {}, "parse__parse-0000", 25),
+    "web": ("web", {}, "shop-train-00000", 60),
 }
 ENV_MARKS = {"textworld", "twx", "alfworld", "scienceworld"}
 

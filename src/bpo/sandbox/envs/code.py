@@ -164,6 +164,8 @@ class CodeEngine:
         if self._done:
             return self._result("The episode is over (submitted).", 0.0, True)
         self._steps += 1
+        if not _encodable(action):
+            return self._result(_UNENCODABLE, 0.0, False, self._steps >= self.max_steps)
         head, _, body = action.partition("\n")
         words = head.strip().split(maxsplit=1)
         cmd, arg = (words[0], words[1] if len(words) > 1 else "") if words else ("", "")
@@ -434,6 +436,18 @@ _TOOLS = {
     "run": CodeEngine._run,
     "test": CodeEngine._test,
 }
+
+
+_UNENCODABLE = "Invalid action: it holds characters that are not valid text (lone surrogates)."
+
+
+def _encodable(text: str) -> bool:
+    """False for text that cannot be written as UTF-8 (paths, command lines, files)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _inside(root: Path, rel: str) -> Path:

@@ -265,6 +265,10 @@ class WebEngine:
             return self._result(0.0, True, note="The episode is over.")
         self._steps += 1
         note = ""
+        try:
+            action.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: nothing a browser could send
+            action = ""
         m = _ACTION.match(action)
         if m is None:
             note = "Invalid action: use search[query] or click[element]."

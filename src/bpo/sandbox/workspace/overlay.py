@@ -41,7 +41,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from bpo.sandbox.workspace.jail import CommandResult, Jail, Limits
 
@@ -63,6 +63,29 @@ class LayerState:
     nbytes: int = 0
 
 
+_C = TypeVar("_C", bound="Closing")
+
+
+class Closing:
+    """``with`` support and a last-resort ``close()`` on garbage collection, for workspaces
+    (the subclass sets ``_closed = False`` once it holds something to close)."""
+
+    _closed = True
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._closed:
+            self.close()
+
+
 def overlay_supported() -> bool:
     """True when this process may mount overlayfs (root, and overlay in /proc/filesystems)."""
     try:
@@ -76,7 +99,7 @@ def overlay_supported() -> bool:
 # client
 
 
-class OverlayWorkspace:
+class OverlayWorkspace(Closing):
     """A workspace whose snapshots are overlay layer stacks (see the module docstring)."""
 
     kind = "overlay"
@@ -136,16 +159,6 @@ class OverlayWorkspace:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-
-    def __enter__(self) -> OverlayWorkspace:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self.close()
 
     def _call(self, op: str, *args: Any) -> Any:
         if self._closed and op != "close":

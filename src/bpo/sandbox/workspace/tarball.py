@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bpo.sandbox.workspace.jail import CommandResult, Jail, Limits
-from bpo.sandbox.workspace.overlay import WorkspaceError
+from bpo.sandbox.workspace.overlay import Closing, WorkspaceError
 
 _TAR = ["tar", "--numeric-owner", "--xattrs", "--acls", "-I", "zstd -1 -T1 -q"]
 
@@ -35,7 +35,7 @@ class TarState:
     nbytes: int = 0
 
 
-class TarWorkspace:
+class TarWorkspace(Closing):
     """A workspace directory with tar+zstd snapshots."""
 
     kind = "tar"
@@ -91,16 +91,6 @@ class TarWorkspace:
         self._closed = True
         self._jail.close()
         shutil.rmtree(self._root, ignore_errors=True)
-
-    def __enter__(self) -> TarWorkspace:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self.close()
 
 
 def _tar(argv: list[str]) -> None:
