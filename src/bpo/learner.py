@@ -11,6 +11,18 @@ Update phases (one call of :meth:`Learner.update` = one training iteration):
 3. for each epoch and minibatch: forward, loss, backward per row chunk; gradient norm before
    clipping; a non-finite loss or gradient skips the step and never reaches the weights;
 4. metrics under ``loss/`` and ``learner/``.
+
+Data parallelism (``bpo.data_parallel``): every rank builds the same ``Learner`` with a
+``DataParallel`` and calls ``update`` with the same trees; each rank trains on its shard of each
+minibatch (trees ``i % world == rank``), with the loss normalised over the whole minibatch and the
+gradients summed over ranks before clipping, so that every rank takes the single-process step::
+
+    # torchrun --nproc-per-node 2 my_script.py
+    dp = DataParallel.from_env()  # None when WORLD_SIZE is unset or 1: the single-process path
+    learner = Learner(model, LearnerConfig(...), data_parallel=dp)
+    metrics = learner.update(trees)  # the same trees on every rank; metrics are global
+
+``bpo train`` is not wired to it yet (it runs one process), and FSDP is not supported.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import numpy as np
 import torch
 
 from bpo import estimators
+from bpo.data_parallel import DataParallel
 from bpo.losses import AGGREGATIONS, policy_loss
 from bpo.packing import Packed, attention_pair_cost, choose_layout, pack_forest, pack_paths
 from bpo.tree import Tree
@@ -150,10 +163,12 @@ class Learner:
         ref_model: torch.nn.Module | None = None,
         pad_id: int = 0,
         critic: bool = False,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         """``critic=True`` adds a value head (a zero-initialised linear layer on the last hidden
         state at each turn's context end, registered on the model as ``value_head`` so that it is
-        checkpointed with it) for PPO."""
+        checkpointed with it) for PPO. ``data_parallel`` shards every minibatch over its ranks
+        (module docstring); the models are first broadcast from its rank 0."""
         if config.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model (ref_model)")
         if critic and not hasattr(model, "value_head"):
@@ -161,6 +176,11 @@ class Learner:
             torch.nn.init.zeros_(head.weight)
             torch.nn.init.zeros_(head.bias)
             model.add_module("value_head", head.to(next(model.parameters()).dtype))
+        self.dp = data_parallel
+        if data_parallel is not None:
+            data_parallel.broadcast_module(model)
+            if ref_model is not None:
+                data_parallel.broadcast_module(ref_model)
         self.critic = critic
         self.model = model
         self.ref_model = ref_model
@@ -217,25 +237,30 @@ class Learner:
 
     def _token_terms(
         self,
-        packed: Packed,
+        packed: Packed | None,
         trees: Sequence[Tree],
         terms: list[estimators.EdgeAdvantages],
         targets: list[np.ndarray] | None = None,
+        num_trees: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per action token: advantage, loss weight (normalised for the aggregation), old logp;
         with value targets, also the return target and value-loss weight of each edge's first
-        token (the token whose predictor position is the acting state)."""
-        a = packed.actions
-        adv = np.empty(len(a.token))
-        w = np.empty(len(a.token))
-        old = np.empty(len(a.token))
-        ret = np.zeros(len(a.token))
-        first = np.zeros(len(a.token))
-        n_tok = np.zeros(len(packed.edges))
-        np.add.at(n_tok, a.edge, 1)
+        token (the token whose predictor position is the acting state). The normalisers are
+        those of the whole minibatch (``num_trees`` trees, sums over ranks); ``packed`` is None
+        on a rank without trees. ``n_tok`` is the minibatch's action-token count."""
+        num_trees = len(trees) if num_trees is None else num_trees
+        edge = packed.actions.edge if packed is not None else np.zeros(0, dtype=np.int64)
+        adv = np.empty(len(edge))
+        w = np.empty(len(edge))
+        old = np.empty(len(edge))
+        ret = np.zeros(len(edge))
+        first = np.zeros(len(edge))
+        n_tok = np.zeros(len(packed.edges) if packed is not None else 0)
+        np.add.at(n_tok, edge, 1)
         offsets: dict[int, int] = {}
-        for k, e in enumerate(a.edge):
-            t, node = packed.edges[e]
+        packed_edges = packed.edges if packed is not None else []
+        for k, e in enumerate(edge):
+            t, node = packed_edges[e]
             j = offsets.get(e, 0)
             offsets[e] = j + 1
             adv[k] = terms[t].advantage[node]
@@ -244,20 +269,24 @@ class Learner:
             if targets is not None and j == 0:
                 ret[k] = targets[t][node]
                 first[k] = 1.0
+        totals = np.array([w.sum(), first.sum(), len(edge)])  # [3]
+        if self.dp is not None:
+            totals = self.dp.sum(totals)
         mode = self.config.aggregation
         if mode == "tree":
-            w = w / len(trees)
+            w = w / num_trees
         elif mode == "token_mean":
-            w = w / max(w.sum(), 1e-30)
+            w = w / max(totals[0], 1e-30)
         else:  # sequence_mean
-            w = w / n_tok[a.edge] / len(trees)
+            w = w / n_tok[edge] / num_trees
         f = torch.float32
         return {
+            "n_tok": torch.tensor(totals[2]),
             "adv": torch.tensor(adv, dtype=f),
             "w": torch.tensor(w, dtype=f),
             "old": torch.tensor(old, dtype=f),
             "ret": torch.tensor(ret, dtype=f),
-            "vw": torch.tensor(first / max(first.sum(), 1.0), dtype=f),
+            "vw": torch.tensor(first / max(totals[1], 1.0), dtype=f),
         }
 
     # -- phases 2-4 ----------------------------------------------------------------------------
@@ -283,7 +312,21 @@ class Learner:
             for packed, tt in batches:
                 for k, v in self._step(packed, tt).items():
                     logs.setdefault(k, []).append(v)
-        adv_all = np.concatenate([t.advantage[1:] for t in terms]) if terms else np.zeros(0)
+        adv_all = np.concatenate([np.zeros(0)] + [t.advantage[1:] for t in terms if t is not None])
+        tokens = [p.computed_tokens for p, _ in batches if p is not None]
+        counts = np.array(
+            [
+                sum(tokens),
+                sum(len(p.actions.token) for p, _ in batches if p is not None),
+                adv_all.sum(),
+                np.abs(adv_all).sum(),
+                np.sum(adv_all == 0),
+                len(adv_all),
+            ]
+        )  # [6]
+        if self.dp is not None:
+            counts = self.dp.sum(counts)
+        n_adv = max(counts[5], 1.0)
         metrics = {k: float(np.mean(v)) for k, v in logs.items()}
         metrics["learner/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["learner/grad_norm_max"] = float(np.max(logs.get("learner/grad_norm", [0.0])))
@@ -291,11 +334,11 @@ class Learner:
             {
                 "learner/updates": float(self.updates),
                 "learner/seconds": time.perf_counter() - t_start,
-                "learner/computed_tokens": float(sum(p.computed_tokens for p, _ in batches)),
-                "learner/action_tokens": float(sum(len(p.actions.token) for p, _ in batches)),
-                "loss/adv_mean": float(adv_all.mean()) if len(adv_all) else 0.0,
-                "loss/adv_abs_mean": float(np.abs(adv_all).mean()) if len(adv_all) else 0.0,
-                "loss/adv_zero_frac": float(np.mean(adv_all == 0)) if len(adv_all) else 0.0,
+                "learner/computed_tokens": float(counts[0]),
+                "learner/action_tokens": float(counts[1]),
+                "loss/adv_mean": float(counts[2] / n_adv),
+                "loss/adv_abs_mean": float(counts[3] / n_adv),
+                "loss/adv_zero_frac": float(counts[4] / n_adv),
             }
         )
         return metrics
@@ -311,6 +354,8 @@ class Learner:
         for packed, tt in batches:
             self._accumulate(packed, tt)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.dp is not None:
+            self.dp.sum_grads(params)
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
         )
@@ -323,8 +368,12 @@ class Learner:
         estimator: str,
         estimator_options: dict[str, Any],
         minibatches: int,
-    ) -> tuple[list[tuple[Packed, dict[str, torch.Tensor]]], list[estimators.EdgeAdvantages]]:
-        """Phases 1-2: advantages, packing and per-token terms of each minibatch."""
+    ) -> tuple[
+        list[tuple[Packed | None, dict[str, torch.Tensor]]], list[estimators.EdgeAdvantages]
+    ]:
+        """Phases 1-2: advantages, packing and per-token terms of each minibatch (of this
+        rank's shard of it under data parallelism: packed is None where the shard is empty;
+        the terms of other ranks' trees are None)."""
         ppo = estimator == "ppo"
         if ppo and not self.critic:
             raise ValueError(
@@ -338,28 +387,33 @@ class Learner:
         chunks = [list(c) for c in np.array_split(np.arange(len(trees)), minibatches) if len(c)]
         terms: list[estimators.EdgeAdvantages] = [None] * len(trees)  # type: ignore[list-item]
         batches = []
-        for idx in chunks:
+        for chunk in chunks:
+            idx = [chunk[k] for k in self.dp.shard(len(chunk))] if self.dp else chunk
             sub = [trees[i] for i in idx]
-            packed = self.pack(sub)
+            packed = self.pack(sub) if sub else None
             targets = None
             if ppo:
-                sub_terms, targets = self._gae_terms(sub, packed)
+                sub_terms, targets = (
+                    self._gae_terms(sub, packed) if packed is not None else ([], [])
+                )
             else:
                 sub_terms = self._edge_terms(sub, estimator, estimator_options)
             for i, term in zip(idx, sub_terms, strict=True):
                 terms[i] = term
-            batches.append((packed, self._token_terms(packed, sub, sub_terms, targets)))
+            tt = self._token_terms(packed, sub, sub_terms, targets, num_trees=len(chunk))
+            batches.append((packed, tt))
         return batches, terms
 
-    def _accumulate(self, packed: Packed, tt: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Forward and backward of the loss over a packed minibatch (gradients accumulate)."""
+    def _accumulate(self, packed: Packed | None, tt: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Forward and backward of the loss over a packed minibatch (gradients accumulate);
+        the sums are this rank's shares under data parallelism."""
         cfg = self.config
         sums = {"loss/total": 0.0, "loss/pg": 0.0, "loss/kl": 0.0, "loss/entropy": 0.0}
         if self.critic:
             sums["loss/value"] = 0.0
         clip_n = ratio_s = kl_old = 0.0
-        n_tok = max(len(packed.actions.token), 1)
-        for rows in row_chunks(packed, cfg.max_row_tokens):
+        n_tok = max(float(tt["n_tok"]), 1.0)
+        for rows in row_chunks(packed, cfg.max_row_tokens) if packed is not None else []:
             hid: list[torch.Tensor] | None = [] if self.critic else None
             logp, ent, sel = token_logprobs(self.model, packed, rows, cfg.temperature, hid)
             if len(sel) == 0:
@@ -397,12 +451,17 @@ class Learner:
             "learner/approx_kl_old": kl_old,
         }
 
-    def _step(self, packed: Packed, tt: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Phase 3: one optimizer step; a non-finite loss or gradient never reaches the weights."""
+    def _step(self, packed: Packed | None, tt: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Phase 3: one optimizer step; a non-finite loss or gradient never reaches the weights.
+        Under data parallelism the gradients and loss sums are summed over ranks first, so that
+        every rank clips, checks and steps on the same numbers."""
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate(packed, tt)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.dp is not None:
+            self.dp.sum_grads(params)
+            sums = dict(zip(sums, self.dp.sum(list(sums.values())).tolist(), strict=True))
         norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
         finite = math.isfinite(norm) and math.isfinite(sums["loss/total"])
         if finite:

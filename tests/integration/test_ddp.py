@@ -1,0 +1,189 @@
+"""Data-parallel learner: two gloo processes, each training on its shard of the trees, take the
+same update as one process on the whole batch (parameters, gradient and metrics).
+
+Both processes run every scenario in one process group (one spawn for the module); the
+single-process reference runs in the test process. Tolerance: the model is fp32 and the loss is
+computed in fp32; the two runs add the same per-token terms in a different order (other
+packing, per-rank partial sums), so gradients agree to fp32 round-off (about 1e-7 relative) and
+parameters after AdamW steps to well under ``lr * 1e-3``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from bpo.data_parallel import DataParallel
+from bpo.learner import Learner, LearnerConfig
+from bpo.tree import Tree, Turn
+
+VOCAB = 64
+WORLD = 2
+PARAM_ATOL = 1e-6
+GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5
+METRIC_RTOL = 1e-5
+
+# name: (number of trees, learner config, estimator, critic)
+SCENARIOS = {
+    # even shards, clipping active (the norm before clipping is about 0.03)
+    "even_tree_clipped": (4, dict(aggregation="tree", max_grad_norm=0.01), "bpo", False),
+    # odd number of trees: minibatches of 3 and 2 trees, shards 2+1 and 1+1, two epochs
+    "odd_token_mean": (5, dict(aggregation="token_mean", minibatches=2, epochs=2), "bpo", False),
+    # 3 trees in minibatches of 2 and 1: rank 1 has no tree in the second minibatch
+    "empty_shard": (3, dict(aggregation="sequence_mean", minibatches=2), "bpo", False),
+    # PPO: the value head and its globally normalised value loss
+    "ppo_critic": (3, dict(aggregation="tree"), "ppo", True),
+}
+COMPARED = (
+    "loss/total", "loss/pg", "loss/kl", "loss/entropy", "learner/grad_norm",
+    "learner/grad_norm_max", "learner/clip_frac", "learner/ratio_mean", "learner/approx_kl_old",
+    "learner/action_tokens", "learner/updates", "learner/lr",
+    "loss/adv_mean", "loss/adv_abs_mean", "loss/adv_zero_frac",
+)  # fmt: skip
+
+
+def tiny(seed=0):
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    return model.float()
+
+
+def random_tree(rng, prefix=12, k=3, depth=2):
+    t = Tree("t")
+    t.add_root(rng.integers(1, VOCAB, prefix).tolist())
+    frontier = [0]
+    for level in range(depth):
+        nxt = []
+        for u in frontier:
+            for _ in range(k if level < depth - 1 or u == frontier[0] else 1):
+                n_act = int(rng.integers(1, 5))
+                turn = Turn(
+                    tuple(rng.integers(1, VOCAB, n_act).tolist()),
+                    tuple(float(-x) for x in rng.random(n_act)),
+                    (0.5,) * n_act,
+                    "a",
+                    float(rng.random()),
+                    terminated=level == depth - 1,
+                )
+                obs = [] if level == depth - 1 else rng.integers(1, VOCAB, 3).tolist()
+                nxt.append(t.add_child(u, turn, obs))
+        frontier = nxt
+    return t
+
+
+def run_scenarios(dp: DataParallel | None) -> dict[str, dict]:
+    """Every scenario from the same initial model (seed 0 on every rank): the gradient at the
+    start, then one ``update``; parameters and metrics after it."""
+    out = {}
+    for name, (n, kw, estimator, critic) in SCENARIOS.items():
+        rng = np.random.default_rng(7)
+        trees = [random_tree(rng, prefix=int(rng.integers(4, 16))) for _ in range(n)]
+        cfg = LearnerConfig(lr=1e-3, **{"max_grad_norm": 1e9, **kw})
+        learner = Learner(tiny(), cfg, critic=critic, data_parallel=dp)
+        grad = learner.gradient(trees, estimator) if estimator != "ppo" else None
+        metrics = learner.update(trees, estimator)
+        params = [p.detach().clone() for p in learner.model.parameters()]
+        no_grad = [k for k, p in learner.model.named_parameters() if p.grad is None]
+        out[name] = {"grad": grad, "metrics": metrics, "params": params, "no_grad": no_grad}
+    return out
+
+
+def _worker(rank: int, port: int, path: str) -> None:
+    """One rank, set up from the environment torchrun would give it."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dp = DataParallel.from_env("gloo")
+    assert dp is not None and (dp.rank, dp.world) == (rank, WORLD)
+    try:
+        out = run_scenarios(dp)
+        # a gradient on rank 0 only is summed; no gradient on any rank stays None
+        lin = torch.nn.Linear(2, 1)
+        if rank == 0:
+            lin.weight.grad = torch.ones_like(lin.weight)
+        dp.sum_grads([lin.weight, lin.bias])
+        out["sum_grads"] = (lin.weight.grad, lin.bias.grad)
+        torch.save(out, f"{path}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ddp")
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned children
+    try:
+        mp.spawn(_worker, args=(_free_port(), str(path)), nprocs=WORLD, join=True)
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    ranks = [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_scenarios(None), ranks
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_two_ranks_take_the_single_process_update(runs, name):
+    single, ranks = runs
+    ref = single[name]
+    if name == "even_tree_clipped":
+        assert ref["metrics"]["learner/grad_norm"] > 0.01  # so clipping is exercised
+    for got in (r[name] for r in ranks):
+        assert got["no_grad"] == ref["no_grad"]
+        if ref["grad"] is not None:
+            torch.testing.assert_close(got["grad"], ref["grad"], atol=GRAD_ATOL, rtol=GRAD_RTOL)
+        moved = max(
+            float((a - b).abs().max()) for a, b in zip(got["params"], ref["params"], strict=True)
+        )
+        gdiff = float((got["grad"] - ref["grad"]).abs().max()) if ref["grad"] is not None else 0
+        mdiff = max(
+            abs(got["metrics"][k] - ref["metrics"][k]) / max(abs(ref["metrics"][k]), 1e-12)
+            for k in COMPARED
+        )
+        print(f"{name}: max |dparam| {moved:.1e}, |dgrad| {gdiff:.1e}, metric rel {mdiff:.1e}")
+        assert moved < PARAM_ATOL, f"{name}: parameters differ by {moved:.2e}"
+        for key in COMPARED:
+            assert got["metrics"][key] == pytest.approx(
+                ref["metrics"][key], rel=METRIC_RTOL, abs=1e-7
+            ), key
+    # the replicas are identical, not just close
+    for a, b in zip(ranks[0][name]["params"], ranks[1][name]["params"], strict=True):
+        assert torch.equal(a, b)
+    # and the update did move the parameters (a no-op would also "match")
+    init = tiny()
+    assert any(
+        not torch.equal(a, b) for a, b in zip(init.parameters(), ref["params"], strict=False)
+    )
+
+
+def test_a_gradient_missing_on_every_rank_stays_missing(runs):
+    for r in runs[1]:
+        weight, bias = r["sum_grads"]
+        assert torch.equal(weight, torch.ones(1, 2)) and bias is None
+
+
+def test_shards_are_round_robin_and_cover_every_tree():
+    shards = [DataParallel(rank=r, world=3).shard(7) for r in range(3)]
+    assert shards == [[0, 3, 6], [1, 4], [2, 5]]
