@@ -119,6 +119,7 @@ def test_tool_language(engine):
         ("open /etc/passwd", "not a path inside"),
         ("open no/such/file.py", "No file"),
         ("run", "Usage: run"),
+        (f"create {rel}/inside.txt\nx", "create failed"),
     ]:
         assert says in engine.step(bad_action).observation.text, bad_action
 

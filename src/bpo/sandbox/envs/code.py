@@ -181,6 +181,8 @@ class CodeEngine:
                 text = f"Unknown command {shown!r}. {HELP}"
         except _Usage as e:
             text = f"{e} {HELP}"
+        except (OSError, UnicodeError) as e:  # e.g. create under a path that is a file
+            text = f"{cmd} failed: {getattr(e, 'strerror', None) or e}."
         self._done = terminated
         truncated = not terminated and self._steps >= self.max_steps
         return self._result(text, reward, terminated, truncated)
