@@ -289,9 +289,15 @@ class Jail:
         use_rlimits = not self._cgroup.active
 
         def preexec() -> None:  # in the child, before exec: join the cgroup, set rlimits
+            # raw system calls only: the child of a threaded parent must not take Python-level
+            # locks another thread may have held at fork (subprocess's preexec_fn warning)
+            pid = str(os.getpid()).encode()
             for f in procs:
-                with open(f, "w") as fh:
-                    fh.write(str(os.getpid()))
+                fd = os.open(f, os.O_WRONLY)
+                try:
+                    os.write(fd, pid)
+                finally:
+                    os.close(fd)
             resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
             fsize = lim.file_mb << 20
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
