@@ -155,22 +155,29 @@ def _strip_top(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Task:
-    """One code-repair task: SWE-bench instance keys, then this project's extras."""
+class SweInstance:
+    """The keys of a SWE-bench instance that the code sandbox uses (shared by the generated
+    tasks here and by real SWE-bench instances, ``bpo.sandbox.workspace.docker``)."""
 
     instance_id: str
     repo: str
-    """"pypi/{name}"."""
     base_commit: str
-    """The commit of the buggy workspace that :func:`prepare_workspace` builds."""
     problem_statement: str
     patch: str
-    """The gold fix: a unified diff against the buggy workspace (``git apply``)."""
+    """The gold fix, a unified diff (``git apply``)."""
     test_patch: str
-    """Always "": the project's own tests already expose the bug."""
-    FAIL_TO_PASS: list[str]
-    PASS_TO_PASS: list[str]
+    FAIL_TO_PASS: Sequence[str]
+    PASS_TO_PASS: Sequence[str]
     version: str
+
+
+@dataclass(frozen=True)
+class Task(SweInstance):
+    """One generated code-repair task: SWE-bench's keys (``repo`` is "pypi/{name}",
+    ``base_commit`` the commit :func:`prepare_workspace` builds, ``patch`` a diff against that
+    buggy workspace, ``test_patch`` always "": the project's own tests expose the bug, and the
+    test lists are lists), then this project's extras."""
+
     sdist: str
     """File name in ``code_data/``."""
     bug_patch: str

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bpo.sandbox.envs.code_tasks import SweInstance
 from bpo.sandbox.workspace.jail import CommandResult, Limits
 from bpo.sandbox.workspace.overlay import WorkspaceError
 
@@ -34,18 +35,9 @@ _KEYS = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "te
 
 
 @dataclass(frozen=True)
-class SweBenchTask:
-    """One SWE-bench instance (the fields the sandbox uses)."""
+class SweBenchTask(SweInstance):
+    """One SWE-bench instance (test lists as tuples) and its dataset row."""
 
-    instance_id: str
-    repo: str
-    base_commit: str
-    problem_statement: str
-    patch: str
-    test_patch: str
-    FAIL_TO_PASS: tuple[str, ...]
-    PASS_TO_PASS: tuple[str, ...]
-    version: str = ""
     split: str = "test"
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
