@@ -240,6 +240,7 @@ def main(argv: list[str]) -> int:
                     help="batches per method for the gradient-variance study at the warm-started "
                          "policy of seed 0 (default 6; 3 with --quick; 0 = skip)")  # fmt: skip
     args = ap.parse_args(argv)
+    from bpo.cluster.roles import run_trainer
     from bpo.train import Trainer, default_config_path
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -267,7 +268,13 @@ def main(argv: list[str]) -> int:
                      "sft.episodes_per_task=0"],
                 )  # fmt: skip
                 print(f"[compare] {m} seed {seed} -> {run}")
-                res = Trainer(cfg, run, resume=(run / "checkpoints").exists()).run()
+                resume = (run / "checkpoints").exists()
+                res = run_trainer(  # on a Ray cluster when the config's cluster section says so
+                    cfg, str(run), resume,
+                    lambda p, cfg=cfg, run=run, resume=resume: Trainer(
+                        cfg, run, resume=resume, placement=p
+                    ).run(),
+                )  # fmt: skip
                 if res.get("interrupted"):
                     print("bpo compare: interrupted; run the same command to continue")
                     return 0

@@ -28,6 +28,7 @@ from bpo.rollout.budget import BUDGET_MODES, BUDGET_UNITS
 
 __all__ = [
     "BudgetConfig",
+    "ClusterConfig",
     "Config",
     "ConfigError",
     "EstimatorConfig",
@@ -191,6 +192,81 @@ class RunConfig:
     """Reward subtracted for an invalid action (no stop token within policy.max_new_tokens, or a
     command outside the admissible list); success metrics use the sandbox's own rewards
     (bpo.rollout.RolloutConfig.invalid_penalty)."""
+    max_staleness: int = 0
+    """Asynchronous rollouts (bpo.rollout.asynchronous): 0 = synchronous (each iteration samples
+    with the weights of the update before it: the default, and the mode for exact comparisons
+    and bitwise resume); N >= 1 = the next iterations' rollouts run while the learner updates,
+    sampled by a policy at most N updates older than the learner that trains on them (the
+    importance ratio against the sampling log-probs corrects for the lag)."""
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"run.max_staleness must be >= 0 (0 = synchronous), got "
+                             f"{self.max_staleness}")  # fmt: skip
+
+
+ROUTINGS = ("prefix", "round_robin")
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the parts run (bpo.cluster). The defaults run everything in this process; the same
+    config runs on a Ray cluster by setting ``address`` and the number of actors per role."""
+
+    address: str = ""
+    """"" = no Ray (everything in this process); "local" = start Ray on this machine; else a Ray
+    address ("auto", "HOST:6379", "ray://HOST:10001") of a running cluster, whose nodes have
+    bpo installed and share the run directory's filesystem."""
+    inference_engines: int = 0
+    """Ray actors that each hold a copy of the policy and serve the rollouts' sampling calls
+    (0 = the learner's model samples in this process)."""
+    sandbox_actors: int = 0
+    """Ray actors hosting the training rollouts' sandboxes (bpo.sandbox.pool; 0 = in this
+    process). Evaluation sandboxes stay in the trainer's process."""
+    engine_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    """Ray resources of one inference engine, as a placement-group bundle: CPU, GPU, memory
+    (bytes) and custom resources, e.g. {CPU: 4, GPU: 1}."""
+    sandbox_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
+    """Ray resources of one sandbox actor (a bundle, as engine_resources)."""
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    """Ray resources of the learner: when given, the trainer itself (learner, rollout loop,
+    checkpoints) runs in a Ray actor placed with these, e.g. {GPU: 1}; empty = in the process
+    that ran bpo train."""
+    placement: str = "PACK"
+    """Ray placement-group strategy for all the bundles: PACK, SPREAD, STRICT_PACK,
+    STRICT_SPREAD."""
+    routing: str = "prefix"
+    """How sampling calls are spread over inference engines: "prefix" sends a context to the
+    engine that served its longest routed prefix (all turns and forks of a tree go to one
+    engine, whose prefix cache then serves them), new trees to the least loaded engine;
+    "round_robin" ignores prefixes (for comparison)."""
+    placement_timeout_s: float = 120.0
+    """How long to wait for the cluster to hold every role's bundle before giving up."""
+    object_store_mb: int = 512
+    """Object store of a Ray started with address "local" (a plain ray.init reserves 30% of
+    memory)."""
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"cluster.routing={self.routing!r} is not valid; valid: "
+                             f"{', '.join(ROUTINGS)}")  # fmt: skip
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"cluster.placement={self.placement!r} is not valid; valid: "
+                             f"{', '.join(PLACEMENTS)}")  # fmt: skip
+        if self.inference_engines < 0 or self.sandbox_actors < 0:
+            raise ValueError("cluster.inference_engines and cluster.sandbox_actors must be >= 0")
+        for name in ("engine_resources", "sandbox_resources", "learner_resources"):
+            for key, amount in getattr(self, name).items():
+                if not isinstance(amount, (int, float)) or isinstance(amount, bool) or amount < 0:
+                    raise ValueError(f"cluster.{name}.{key} must be a number >= 0, got {amount!r}")
+        uses_ray = self.inference_engines or self.sandbox_actors or self.learner_resources
+        if uses_ray and not self.address:
+            raise ValueError(
+                "cluster.inference_engines, cluster.sandbox_actors and cluster.learner_resources "
+                "need Ray: set cluster.address=local (Ray on this machine) or the address of a "
+                "running cluster"
+            )
 
 
 @dataclass(frozen=True)
@@ -204,6 +280,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,6 +469,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     data = apply_overrides(data, overrides)
     cfg = _build(Config, data)
     _validate_names(cfg)
+    _validate_combinations(cfg)
     return cfg
 
 
@@ -410,3 +488,15 @@ def _validate_names(cfg: Config) -> None:
         )
     if cfg.policy.backend not in ("hf", "vllm"):
         raise ConfigError(f"policy.backend={cfg.policy.backend!r} is not valid; valid: hf, vllm")
+
+
+def _validate_combinations(cfg: Config) -> None:
+    """Settings that are valid alone but not together."""
+    c, p = cfg.cluster, cfg.policy
+    if p.backend == "vllm" and (c.inference_engines or cfg.run.max_staleness):
+        raise ConfigError(
+            "cluster.inference_engines and run.max_staleness > 0 work with policy.backend=hf; "
+            "with vllm, one vLLM engine serves the rollouts in the trainer's process and "
+            "samples synchronously (set cluster.inference_engines=0 and run.max_staleness=0, "
+            "or policy.backend=hf)"
+        )

@@ -67,9 +67,10 @@ class DataParallel:
 
     def sum(self, values: np.ndarray | list[float]) -> np.ndarray:
         """Element-wise sum over ranks, in float64."""
-        t = torch.tensor(np.asarray(values, dtype=np.float64))
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"  # NCCL: GPU only
+        t = torch.tensor(np.asarray(values, dtype=np.float64), device=device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t.numpy()
+        return t.cpu().numpy()
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Replace every gradient by its sum over ranks, one flat all-reduce per dtype. A

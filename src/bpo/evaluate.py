@@ -34,16 +34,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "overrides", nargs="*",
         help="eval.* overrides, e.g. eval.temperature=1.0 eval.episodes_per_task=4 (sampled "
-        "success; the default is the run's eval settings, greedy unless it set others)",
+        "success; the default is the run's eval settings, greedy unless it set others), and "
+        "policy.device (evaluate a GPU run on a CPU)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     try:
         run_dir, ckpt = _run_dir_of(Path(args.target))
-        bad = [o for o in args.overrides if not o.startswith("eval.")]
+        bad = [o for o in args.overrides if not o.startswith(("eval.", "policy.device="))]
         if bad:
             raise ConfigError(
-                f"bpo eval takes only eval.* overrides (got {', '.join(bad)}); the other "
-                "settings are the run's own"
+                f"bpo eval takes only eval.* and policy.device overrides (got "
+                f"{', '.join(bad)}); the other settings are the run's own"
             )
         overrides = list(args.overrides)
         if args.split:

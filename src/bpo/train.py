@@ -23,6 +23,7 @@ work, with a message that names the key and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -35,11 +36,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import yaml
+from rich.console import Console
 
 from bpo import agent, estimators
 from bpo.branching import BranchRule, make_rule
@@ -51,15 +53,26 @@ from bpo.checkpoint import (
     set_rng_state,
 )
 from bpo.config import Config, ConfigError, load_config, to_dict
+from bpo.data_parallel import DataParallel
 from bpo.learner import Learner, NonFiniteError
 from bpo.metrics import MetricsLogger, tree_metrics
 from bpo.preflight import make_branch_rule, preflight
 from bpo.progress import IterationProgress
 from bpo.report import write_run_report
 from bpo.rollout import Budget, RolloutConfig, RolloutEngine, RolloutError
+from bpo.rollout.asynchronous import (
+    LocalCopy,
+    Rollouts,
+    SharedModel,
+    WeightSync,
+    check_versions,
+)
 from bpo.sandbox import env_spec, list_tasks, make_env
 from bpo.sandbox.faults import FaultConfig, FaultInjector
 from bpo.tree import Tree
+
+if TYPE_CHECKING:
+    from bpo.cluster.roles import Placement
 
 __all__ = ["EvalResult", "Trainer", "main", "preflight"]
 
@@ -81,15 +94,31 @@ class EvalResult:
 
 class Trainer:
     def __init__(
-        self, cfg: Config, run_dir: str | Path, *, resume: bool = False, write: bool = True
+        self,
+        cfg: Config,
+        run_dir: str | Path,
+        *,
+        resume: bool = False,
+        write: bool = True,
+        placement: Placement | None = None,
     ) -> None:
-        """``write=False`` opens an existing run read-only (for ``bpo eval``)."""
+        """``write=False`` opens an existing run read-only (for ``bpo eval``); ``placement``:
+        the Ray bundles of the run's roles (:func:`bpo.cluster.roles.run_trainer`)."""
         self.cfg = cfg
+        self.placement = placement
+        self.pool: Any = None
+        self.engines: Any = None
+        self.rollouts: Rollouts | None = None
         self.run_dir = Path(run_dir)
         self.resume = resume
         self.write = write
+        # data parallelism under torchrun (WORLD_SIZE > 1): every rank samples its share of the
+        # tasks, the trees are gathered, the learner shards each minibatch (bpo.data_parallel);
+        # rank 0 alone writes the run directory
+        self.dp = DataParallel.from_env()
+        self.writes = write and (self.dp is None or self.dp.rank == 0)
         self.iteration = 0
-        self.log: Callable[[str], None] = print
+        self.log: Callable[[str], None] = print if self.writes or not write else _quiet
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -107,21 +136,32 @@ class Trainer:
                 self.fault_config = FaultConfig(**s.faults)
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"sandbox.faults={s.faults}: {e}") from None
-            fc = self.fault_config
-            self.train_factory = lambda: FaultInjector(self.env_factory(), fc)  # soak runs only
         self._check_env()
+        if self.placement is not None and self.placement.sandboxes:
+            from bpo.cluster.roles import sandbox_pool
+
+            self.pool = sandbox_pool(self.placement, cfg)
+            self.train_factory = self.pool.open
+        if self.fault_config is not None:
+            fc, inner = self.fault_config, self.train_factory
+            self.train_factory = lambda: FaultInjector(inner(), fc)  # soak runs only
         self.train_tasks = self._tasks(s.train_split, s.num_train_tasks)
         self.eval_tasks = self._tasks(s.eval_split, s.num_eval_tasks)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.write and not self.resume:
+        if self.writes and not self.resume:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
         resuming = (self.resume or not self.write) and (self.run_dir / "checkpoints").exists()
+        first = self.dp is None or self.dp.rank == 0
+        if not first:  # torchrun: rank 0 writes the run's files (the tiny model) first
+            torch.distributed.barrier(group=self.dp.group)
         self.bundle = agent.build(
             cfg, self.run_dir, self.env_factory, self.train_tasks, need_demos=not resuming
         )
+        if first and self.dp is not None:
+            torch.distributed.barrier(group=self.dp.group)
         # KL to the frozen policy RL starts from: a copy whose weights are set after the warm
         # start (or, on resume, from the kept iteration-0 checkpoint; see _set_reference)
         ref = None
@@ -129,9 +169,11 @@ class Trainer:
             ref = copy.deepcopy(self.bundle.model).eval().requires_grad_(False)
         self.learner = Learner(
             self.bundle.model, cfg.learner, ref_model=ref, pad_id=self.bundle.pad_id,
-            critic=cfg.estimator.name == "ppo",
+            critic=cfg.estimator.name == "ppo", data_parallel=self.dp,
         )  # fmt: skip
+        self._seed_rank()
         self.rule = make_branch_rule(cfg)
+        self.sampler = self._sampler()
         self.engine = self._engine(
             self.rule,
             cfg.tree.root_width,
@@ -140,8 +182,50 @@ class Trainer:
             train=True,
         )
         self.task_rng = np.random.default_rng(cfg.run.seed)
-        if self.write:
+        if self.writes:
             self.metrics = MetricsLogger(self.run_dir)
+
+    def _seed_rank(self) -> None:
+        """Ranks other than 0 sample with streams of their own (else every rank's trees would
+        repeat rank 0's on the same tasks' seeds)."""
+        if self.dp is not None and self.dp.rank > 0:
+            g = torch.Generator().manual_seed(self.cfg.run.seed + 7919 * self.dp.rank
+                                              + 104729 * self.iteration)  # fmt: skip
+            self.bundle.set_policy_rng_state(g.get_state())
+
+    def _sampler(self) -> WeightSync:
+        """The policy of the training rollouts: the learner's model (synchronous, in process),
+        a copy of it (asynchronous, in process) or the cluster's inference engines."""
+        cfg, b = self.cfg, self.bundle
+        if self.placement is not None and self.placement.engines:
+            from bpo.cluster.roles import EngineGroup
+
+            self.engines = EngineGroup(
+                self.placement, b.model, b.policy.tokenizer, b.policy.stop_token_ids,
+                cfg.run.seed, cfg.policy.cache_tokens, cfg.cluster.routing,
+            )  # fmt: skip
+            self._write_cluster_info()
+            return self.engines
+        if cfg.run.max_staleness > 0:
+            from bpo.policy.hf import HFPolicy
+
+            return LocalCopy(b.model, lambda m: HFPolicy(
+                m, b.policy.tokenizer, seed=cfg.run.seed + 1,
+                cache_budget_tokens=cfg.policy.cache_tokens,
+            ))  # fmt: skip
+        return SharedModel(b.policy)
+
+    def _write_cluster_info(self) -> None:
+        """Where each role runs (``cluster.json`` in the run directory)."""
+        from bpo.cluster.roles import node_id
+
+        info = {
+            "trainer": {"node": node_id(), "pid": os.getpid()},
+            "engines": self.engines.where() if self.engines else [],
+            "sandbox_actors": self.pool.where() if self.pool else [],
+        }
+        if self.writes:
+            (self.run_dir / "cluster.json").write_text(json.dumps(info, indent=1))
 
     def _check_run_dir(self) -> None:
         """``--resume``: the directory holds a run made with this very config. A new run: the
@@ -158,7 +242,13 @@ class Trainer:
             except ConfigError as e:
                 raise ConfigError(f"--resume {d}: its config.yaml does not load: {e}") from None
             now = to_dict(self.cfg)
-            diff = [f"{s}.{k}" for s in now for k in now[s] if saved[s][k] != now[s][k]]
+            # where the run computes may change (a GPU run continued on a CPU, another
+            # cluster); what it computes may not
+            diff = [
+                f"{s}.{k}" for s in now for k in now[s]
+                if saved.get(s, {}).get(k) != now[s][k] and s != "cluster"
+                and f"{s}.{k}" != "policy.device"
+            ]  # fmt: skip
             if diff:
                 raise ConfigError(
                     f"--resume {d}: the run was made with a different config (differs in "
@@ -203,6 +293,9 @@ class Trainer:
     def _engine(
         self, rule: BranchRule, width: int, temperature: float, budget: Budget, train: bool = False
     ) -> RolloutEngine:
+        """A rollout engine; ``train``: the training rollouts' (the sampler's policy, the
+        training sandboxes), else an evaluation engine (the learner's policy, local
+        sandboxes)."""
         b = self.bundle
         rc = RolloutConfig(
             root_width=width, max_steps=self.cfg.run.max_steps, budget=budget,
@@ -210,10 +303,13 @@ class Trainer:
             fill_budget=self.cfg.tree.fill_budget, max_root_width=self.cfg.tree.max_root_width,
             invalid_penalty=self.cfg.run.invalid_penalty, max_retries=self.cfg.run.max_retries,
             max_fault_frac=self.cfg.run.max_fault_frac,
+            # sandbox actors: one step in flight per actor, across the trees
+            step_threads=max(1, self.cfg.cluster.sandbox_actors) if train else 1,
         )  # fmt: skip
         factory = self.train_factory if train else self.env_factory
+        policy = self.sampler.policy if train else b.policy
         return RolloutEngine(
-            b.policy, b.prompter, b.parse, rule, factory, rc, b.sampling(temperature)
+            policy, b.prompter, b.parse, rule, factory, rc, b.sampling(temperature)
         )
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -223,10 +319,14 @@ class Trainer:
         width = 1 if e.temperature == 0 else max(1, e.episodes_per_task)
         budget = Budget("leaves", float(width), mode="hard", min_rollouts=width)
         engine = self._engine(make_rule("none"), width, e.temperature, budget)
+        pause = self.rollouts.paused() if self.rollouts else contextlib.nullcontext()
+        jobs = [(t, 1_000_003 + i) for i, t in enumerate(tasks)]
         try:
-            trees = engine.run([(t, 1_000_003 + i) for i, t in enumerate(tasks)])
+            with pause:
+                trees = engine.run(jobs[self.dp.rank :: self.dp.world] if self.dp else jobs)
         finally:
             engine.close()
+        trees = self._gather(trees)
         self.bundle.policy.clear_cache()
         per_task = {t.task: float(np.mean(t.returns(shaped=False) > 0)) for t in trees}
         rets = np.concatenate([t.returns(shaped=False) for t in trees])
@@ -235,13 +335,21 @@ class Trainer:
                           per_task)  # fmt: skip
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """A checkpoint of the iteration (rank 0 writes it; the replicas are equal)."""
+        if not self.writes:
+            self.saved_at = self.iteration
+            return None
         state = {
             "iteration": self.iteration,
             "updates": self.learner.updates,
             "bad_in_a_row": self.learner.bad_in_a_row,
             "rng": rng_state(),
-            "task_rng": self.task_rng.bit_generator.state,
+            "task_rng": (
+                self.rollouts.next_draw_state()
+                if self.rollouts
+                else self.task_rng.bit_generator.state
+            ),
             "rule": self.rule,
             "costs": self.engine.costs.state_dict(),
             "policy_rng": self.bundle.policy_rng_state(),
@@ -282,7 +390,9 @@ class Trainer:
                 )
             self._set_reference(load_checkpoint(first).weights)
         self.saved_at = self.iteration
-        self._truncate_logs(self.iteration)
+        if self.writes:
+            self._truncate_logs(self.iteration)
+        self._seed_rank()
         self.log(f"[resume] from {ck.path.name} (iteration {self.iteration})")
         return True
 
@@ -325,11 +435,15 @@ class Trainer:
         resumed = self.resume and self.load()
         if self.resume and not resumed:
             self.log(f"[resume] no checkpoint in {self.run_dir} yet: starting from the beginning")
-            self._truncate_logs(0)
+            if self.writes:
+                self._truncate_logs(0)
         if not resumed:
             if cfg.sft.episodes_per_task > 0:
                 sft = self.bundle.warm_start(cfg.sft, cfg.run.seed)
                 self.log(f"[warm start] {sft}")
+                if self.dp is not None:  # the replicas start RL equal (GPU kernels may differ)
+                    self.dp.broadcast_module(self.bundle.model)
+                    self.bundle.sync_policy()
             self._set_reference()
             self.eval_before = self.evaluate()
             self.log(f"[eval] held-out success before RL: {self.eval_before.success:.3f}")
@@ -344,16 +458,27 @@ class Trainer:
 
         main_thread = threading.current_thread() is threading.main_thread()
         old = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
+        self.rollouts = Rollouts(
+            self.engine, self.sampler, self._draw, lambda: self.task_rng.bit_generator.state,
+            cfg.run.max_staleness, self.iteration, cfg.run.iterations,
+            self.bundle.trainable_state(),
+        )  # fmt: skip
         try:
-            with IterationProgress(cfg.run.iterations, self.iteration) as bar:
-                while self.iteration < cfg.run.iterations and not stop["flag"]:
+            quiet = None if self.writes else Console(quiet=True)
+            with IterationProgress(cfg.run.iterations, self.iteration, quiet) as bar:
+                while self.iteration < cfg.run.iterations and not self._stopping(stop["flag"]):
                     row = self._iteration()
                     bar.update(row["rollout/success"], row["time/tokens_per_s"])
+        except BaseException:
+            self._close_roles()
+            raise
         finally:
             if main_thread:
                 signal.signal(signal.SIGINT, old)
-        if stop["flag"] and self.iteration < cfg.run.iterations:
+            self.rollouts.close()
+        if self.iteration < cfg.run.iterations:
             return self._interrupted()
+        self._check_replicas()
         after = self.evaluate()
         summary = {
             "eval_before": self.eval_before.__dict__ if self.eval_before else None,
@@ -362,11 +487,48 @@ class Trainer:
             "policy_updates": self.learner.updates,
             "interrupted": False,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.log(f"[report] {write_run_report(self.run_dir)}")
-        self.metrics.close()
-        self.engine.close()
+        if self.writes:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            self.log(f"[report] {write_run_report(self.run_dir)}")
+            self.metrics.close()
+        self._close_roles()
         return summary
+
+    def _stopping(self, flag: bool) -> bool:
+        """Ctrl-C: under torchrun every rank stops after the same iteration (any rank's
+        signal counts), or the others would wait forever in the next collective."""
+        if self.dp is None:
+            return flag
+        return bool(self.dp.sum([float(flag)])[0] > 0)
+
+    def _gather(self, items: list[Any]) -> list[Any]:
+        """Every rank's items, in rank order, on every rank."""
+        if self.dp is None:
+            return items
+        parts: list[Any] = [None] * self.dp.world
+        torch.distributed.all_gather_object(parts, items, group=self.dp.group)
+        return [x for part in parts for x in part]
+
+    def _check_replicas(self) -> None:
+        """Data parallelism keeps the replicas equal (identical gradients, identical steps);
+        fail loudly if they drifted (a rank that skipped an update, a nondeterministic op)."""
+        if self.dp is None:
+            return
+        with torch.no_grad():
+            local = float(sum(p.double().sum() for p in self.bundle.model.parameters()))
+        sums = self._gather([local])
+        if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
+            raise RuntimeError(f"data-parallel replicas diverged: parameter sums {sums}")
+
+    def _close_roles(self) -> None:
+        """Close the rollout engine's sandboxes, the sampler, the cluster's actors."""
+        if self.rollouts is not None:
+            self.rollouts.close()
+        self.engine.close()
+        if self.engines is not None:
+            self.engines.close()
+        if self.pool is not None:
+            self.pool.close()
 
     def _interrupted(self) -> dict[str, Any]:
         """After Ctrl-C: a checkpoint of the last finished iteration; no final evaluation and
@@ -377,8 +539,9 @@ class Trainer:
             f"[interrupted] checkpoint saved at iteration {self.iteration}/"
             f"{self.cfg.run.iterations}; continue with: bpo train --resume {self.run_dir}"
         )
-        self.metrics.close()
-        self.engine.close()
+        if self.writes:
+            self.metrics.close()
+        self._close_roles()
         return {
             "eval_before": self.eval_before.__dict__ if self.eval_before else None,
             "eval_after": None,
@@ -387,21 +550,24 @@ class Trainer:
             "interrupted": True,
         }
 
+    def _draw(self) -> list[tuple[str, int]]:
+        """The next batch's (task, seed) jobs, from the task sampler."""
+        n = self.cfg.run.tasks_per_iteration
+        idx = self.task_rng.choice(len(self.train_tasks), n, replace=len(self.train_tasks) < n)
+        seeds = self.task_rng.integers(0, 2**31 - 1, len(idx))
+        jobs = [(self.train_tasks[i], int(s)) for i, s in zip(idx, seeds, strict=True)]
+        return jobs[self.dp.rank :: self.dp.world] if self.dp else jobs
+
     def _iteration(self) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.perf_counter()
-        # 1. rollouts
-        idx = self.task_rng.choice(
-            len(self.train_tasks),
-            cfg.run.tasks_per_iteration,
-            replace=len(self.train_tasks) < cfg.run.tasks_per_iteration,
-        )
-        seeds = self.task_rng.integers(0, 2**31 - 1, len(idx))
-        trees: list[Tree] = self.engine.run(
-            [(self.train_tasks[i], int(s)) for i, s in zip(idx, seeds, strict=True)]
-        )
+        # 1. rollouts (sampled now, or already by the rollout thread in asynchronous mode)
+        assert self.rollouts is not None
+        batch = self.rollouts.next(self.iteration + 1)
+        check_versions(batch.trees, batch.version)
+        trees: list[Tree] = self._gather(batch.trees)
         t1 = time.perf_counter()
-        faults = dict(self.engine.faults)
+        faults = batch.faults
         if not trees:
             raise RolloutError(
                 f"iteration {self.iteration + 1}: every tree was lost to sandbox faults "
@@ -409,13 +575,20 @@ class Trainer:
             )
         # 2. update
         upd = self.learner.update(trees, cfg.estimator.name, **cfg.estimator.options)
-        # 3. the weights changed: cached prefixes are stale (or the engine's copy is)
+        # 3. the weights changed: cached prefixes are stale (or the engine's copy is); the
+        # sampler of the training rollouts takes the new weights before its next batch
+        staleness = self.iteration - batch.version
         self.bundle.sync_policy()
         self.iteration += 1
+        self.rollouts.publish(self.iteration, self.bundle.trainable_state)
         # 4. metrics, checkpoint, evaluation
-        m = {**tree_metrics(trees), **upd, "time/rollout_s": t1 - t0,
-             "time/iteration_s": time.perf_counter() - t0}  # fmt: skip
-        m["time/tokens_per_s"] = m["compute/generated_tokens"] / max(t1 - t0, 1e-9)
+        m = {**tree_metrics(trees), **upd, "time/rollout_s": batch.seconds,
+             "time/rollout_wait_s": t1 - t0, "time/iteration_s": time.perf_counter() - t0,
+             "async/staleness": staleness, "async/policy_version": batch.version,
+             "rollout/prefix_hit_rate": batch.prefix_hit_rate}  # fmt: skip
+        if self.engines is not None:
+            m["time/weight_sync_s"] = self.engines.sync_seconds
+        m["time/tokens_per_s"] = m["compute/generated_tokens"] / max(batch.seconds, 1e-9)
         if self.fault_config is not None:
             m.update({f"faults/injected_{k}": v for k, v in self.fault_config.counts.items()})
         m.update({"rollout/retries": faults["retries"], "rollout/failed_episodes":
@@ -423,6 +596,9 @@ class Trainer:
                   "rollout/policy_retries": faults["policy_retries"]})  # fmt: skip
         if cfg.eval.every and self.iteration % cfg.eval.every == 0:
             m.update(self.evaluate().as_metrics())
+        if not self.writes:
+            self.saved_at = self.iteration
+            return {k: float(v) for k, v in m.items()}
         row = self.metrics.log(self.iteration, m)
         self._log_trees(trees[: cfg.run.log_trees])
         if self.iteration % cfg.run.checkpoint_every == 0 or self.iteration == cfg.run.iterations:
@@ -478,8 +654,23 @@ def main(argv: list[str]) -> int:
                 or f"{cfg.estimator.name}-{cfg.tree.rule}-{time.strftime('%Y%m%d-%H%M%S')}"
             )
             run_dir = Path(args.out or Path(cfg.run.out) / name)
-        trainer = Trainer(cfg, run_dir, resume=bool(args.resume))
-        summary = trainer.run()
+        dp = DataParallel.from_env()
+        if dp is not None:  # torchrun: one run directory, rank 0's (the clocks may differ)
+            if cfg.cluster.address:
+                raise ConfigError(
+                    "cluster.address with torchrun: run bpo train under torchrun for a "
+                    "data-parallel learner, or with cluster.address for Ray roles, not both"
+                )
+            box = [str(run_dir)]
+            torch.distributed.broadcast_object_list(box, src=0, group=dp.group)
+            run_dir = Path(box[0])
+        from bpo.cluster.roles import run_trainer
+
+        resume = bool(args.resume)
+        summary = run_trainer(
+            cfg, str(run_dir), resume,
+            lambda placement: Trainer(cfg, run_dir, resume=resume, placement=placement).run(),
+        )  # fmt: skip
     except ConfigError as e:
         print(f"bpo train: {e}", file=sys.stderr)
         return 2
@@ -503,6 +694,10 @@ def main(argv: list[str]) -> int:
     print(f"held-out success: before {before:.3f} -> after {summary['eval_after']['success']:.3f}")
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _quiet(message: str) -> None:
+    """The log of ranks other than 0 (rank 0 speaks for the run)."""
 
 
 def default_config_path() -> Path:

@@ -74,6 +74,9 @@ class _SandboxHost:
         if sb is not None:
             sb.close()
 
+    def where(self) -> dict[str, Any]:
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
 
 SandboxHost = ray.remote(_SandboxHost)
 
@@ -142,7 +145,12 @@ class SandboxPool:
         backend: str = "auto",
         num_cpus_per_actor: float = 0.5,
         memory_per_actor: int | None = None,
+        actor_options: Sequence[dict[str, Any]] | None = None,
     ) -> None:
+        """``actor_options``: Ray ``.options(...)`` of each actor (e.g. a placement-group
+        scheduling strategy, from :mod:`bpo.cluster.roles`), replacing the resources given by
+        ``num_cpus_per_actor`` and ``memory_per_actor``; a replaced actor gets its
+        predecessor's."""
         if not ray.is_initialized():
             raise SandboxError(
                 "SandboxPool needs Ray: call ray.init(...) first (on one machine "
@@ -155,13 +163,17 @@ class SandboxPool:
         env_spec(env)  # unknown names fail here, listing the valid ones
         self.env, self.backend, self.env_options = env, backend, dict(env_options or {})
         memory = {} if memory_per_actor is None else {"memory": memory_per_actor}
-        self._resources: dict[str, Any] = {"num_cpus": num_cpus_per_actor, **memory}
-        self.actors = [self._new_actor() for _ in range(num_actors)]
+        resources: dict[str, Any] = {"num_cpus": num_cpus_per_actor, **memory}
+        if actor_options is not None and len(actor_options) != num_actors:
+            raise ValueError(f"actor_options has {len(actor_options)} entries for {num_actors} "
+                             "actors")  # fmt: skip
+        self._options = list(actor_options or [resources] * num_actors)
+        self.actors = [self._new_actor(i) for i in range(num_actors)]
         self._episodes: dict[Any, int] = {}  # actor -> open episodes
         self.replaced = 0
 
-    def _new_actor(self) -> Any:
-        return SandboxHost.options(**self._resources).remote(
+    def _new_actor(self, index: int) -> Any:
+        return SandboxHost.options(**self._options[index]).remote(
             self.env, self.backend, self.env_options
         )
 
@@ -187,6 +199,10 @@ class SandboxPool:
     ) -> list[Observation]:
         return run_many([sb._reset(t, s) for sb, t, s in zip(sandboxes, tasks, seeds, strict=True)])
 
+    def where(self) -> list[dict[str, Any]]:
+        """The node and process of each actor."""
+        return ray.get([a.where.remote() for a in self.actors])
+
     def close(self) -> None:
         """Kill every actor (their sandboxes and snapshots go with them)."""
         for actor in self.actors:
@@ -210,7 +226,7 @@ class SandboxPool:
         for i, a in enumerate(self.actors):
             if a == actor:
                 ray.kill(actor)  # an unreachable actor must not linger with its sandboxes
-                self.actors[i] = self._new_actor()
+                self.actors[i] = self._new_actor(i)
                 self.replaced += 1
 
 

@@ -1,0 +1,138 @@
+"""``bpo train`` on a multi-node Ray cluster and with asynchronous rollouts.
+
+The cluster is real Ray: a head node and a worker node started on this machine
+(``ray.cluster_utils.Cluster``: separate raylets and object stores, talking over loopback), each
+with a custom resource that places the roles: the learner (the whole trainer) on the head, the
+inference engines and sandbox actors on the worker. The run must place them so
+(``cluster.json``), route each tree's turns to one engine (the prefix-cache hit rate stays high),
+keep staleness within the bound, and leave no actor behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+# Ray 2.60 keeps one auth token per user (~/.ray/auth_token), rewritten by every new local
+# cluster; a loopback test cluster goes without, so that no other Ray on the machine (an
+# earlier test's) leaves its processes with another token
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1",
+       "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+TOY = [
+    "--config", "configs/toy.yaml", "run.iterations=3", "run.tasks_per_iteration=4",
+    "sandbox.num_train_tasks=4", "sandbox.num_eval_tasks=2", "sft.epochs=1",
+    "budget.amount=100", "run.max_steps=5",
+]  # fmt: skip
+
+
+def _train(args: list[str], out: Path, timeout: int = 420) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "bpo.cli", "train", *TOY, *args, "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "held-out success: before" in p.stdout
+    return p
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tree_versions(run: Path) -> list[set[int]]:
+    out = []
+    for line in (run / "trees.jsonl").read_text().splitlines():
+        tree = json.loads(line)
+        out.append({n["turn"]["policy_version"] for n in tree["nodes"] if n.get("turn")})
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_AUTH_MODE", "disabled")  # the nodes inherit it (see ENV)
+
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"learner_node": 1},
+                        "object_store_memory": 150 * 2**20},
+    )  # fmt: skip
+    worker = c.add_node(num_cpus=2, resources={"rollout_node": 4},
+                        object_store_memory=150 * 2**20)  # fmt: skip
+    try:
+        yield c, c.head_node.node_id, worker.node_id
+    finally:
+        c.shutdown()
+        mp.undo()
+
+
+def test_roles_run_where_the_placement_puts_them(cluster, tmp_path: Path) -> None:
+    c, head, worker = cluster
+    run = tmp_path / "run"
+    _train(
+        [
+            f"cluster.address={c.address}",
+            "cluster.inference_engines=2", "cluster.sandbox_actors=2",
+            "cluster.learner_resources={CPU: 0.5, learner_node: 1}",
+            "cluster.engine_resources={CPU: 0.5, rollout_node: 1}",
+            "cluster.sandbox_resources={CPU: 0.25, rollout_node: 1}",
+            "run.max_staleness=1",
+        ],
+        run,
+    )  # fmt: skip
+    info = json.loads((run / "cluster.json").read_text())
+    assert head != worker
+    assert info["trainer"]["node"] == head
+    assert [e["node"] for e in info["engines"]] == [worker, worker]
+    assert [s["node"] for s in info["sandbox_actors"]] == [worker, worker]
+    assert len({e["pid"] for e in info["engines"]}) == 2
+    rows = _metrics(run)
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+    assert [r["async/policy_version"] for r in rows] == [0, 0, 1]
+    # every turn of a tree goes to the engine that served its earlier turns
+    assert min(r["rollout/prefix_hit_rate"] for r in rows) > 0.5
+    assert all(r["time/weight_sync_s"] > 0 for r in rows)
+    assert all(len(v) == 1 for v in _tree_versions(run))  # a tree never mixes versions
+    assert (run / "summary.json").exists()
+    # the run's actors are gone (killed at its end; the processes exit shortly after)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        if "_InferenceEngine" not in ps and "_TrainerActor" not in ps and "SandboxHost" not in ps:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("actors of the finished run are still alive:\n" + ps)
+
+
+def test_a_cluster_without_room_fails_with_what_is_missing(cluster, tmp_path: Path) -> None:
+    c, _, _ = cluster
+    cmd = [
+        sys.executable, "-m", "bpo.cli", "train", *TOY, f"cluster.address={c.address}",
+        "cluster.inference_engines=1", "cluster.engine_resources={CPU: 1, GPU: 8}",
+        "cluster.placement_timeout_s=5", "--out", str(tmp_path / "run"),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "cannot hold this run's roles" in p.stderr and "GPU" in p.stderr
+
+
+def test_asynchronous_rollouts_in_one_process(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _train(["run.max_staleness=1", "run.iterations=4"], run)
+    rows = _metrics(run)
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert [r["async/policy_version"] for r in rows] == [0, 0, 1, 2]
+    assert all(len(v) == 1 for v in _tree_versions(run))
+    # the run resumes (from its last checkpoint) like a synchronous one
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts[-1] == "iter-000004"
