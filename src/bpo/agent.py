@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from bpo.config import Config, ConfigError, PolicyConfig, SFTConfig
-from bpo.learner import row_chunks, token_logprobs
+from bpo.learner import model_device, row_chunks, token_logprobs
 from bpo.packing import pack_paths
 from bpo.policy.parsing import parse_action
 from bpo.policy.prompts import PromptBuilder
@@ -29,7 +29,7 @@ from bpo.policy.protocol import SamplingParams
 from bpo.sandbox.protocol import Sandbox
 from bpo.tree import Tree, Turn
 
-__all__ = ["Agent", "Demo", "build", "check_model", "collect_demos"]
+__all__ = ["Agent", "Demo", "build", "check_model", "collect_demos", "resolve_device"]
 
 
 @dataclass(frozen=True)
@@ -168,13 +168,15 @@ class Agent:
             raise ConfigError("no successful expert demonstration to warm-start from")
         opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr)
         rng = np.random.default_rng(seed)
+        device, dtype = model_device(self.model), next(self.model.parameters()).dtype
         self.model.train()
         losses = []
         for _ in range(cfg.epochs):
             order = rng.permutation(len(trees))
             for start in range(0, len(trees), cfg.batch_size):
                 batch = [trees[i] for i in order[start : start + cfg.batch_size]]
-                packed = pack_paths(batch, pad_id=self.pad_id)  # chains: one row each
+                # chains: one row each
+                packed = pack_paths(batch, pad_id=self.pad_id, dtype=dtype, device=device)
                 opt.zero_grad(set_to_none=True)
                 total = len(packed.actions.token)
                 loss_sum = 0.0
@@ -201,11 +203,41 @@ def _fetchers() -> list[str]:
     return FETCHERS.names()
 
 
+_DEVICES = "auto, cpu, cuda, cuda:N (N: a GPU index)"
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device of ``policy.device``: "auto" is cuda when torch sees a GPU, else cpu.
+    Raises :class:`ConfigError` naming the key and the fix for an unknown name, or a GPU that
+    torch does not see."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and index) or (index and not index.isdigit()):
+        raise ConfigError(f"policy.device={name!r} is not valid; valid: {_DEVICES}")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+        raise ConfigError(
+            f"policy.device={name!r}: torch sees no CUDA GPU ({build}); set policy.device=cpu "
+            "(or auto, which picks the GPU when there is one), or install a CUDA build of torch "
+            "on a machine with an NVIDIA GPU"
+        )
+    count = torch.cuda.device_count()
+    if index and int(index) >= count:
+        raise ConfigError(
+            f"policy.device={name!r}: torch sees {count} GPU(s) (cuda:0 to cuda:{count - 1}); "
+            "give one of those (check CUDA_VISIBLE_DEVICES)"
+        )
+    return torch.device(name)
+
+
 def check_model(p: PolicyConfig) -> None:
     """Fail fast, naming the key and the fix, when ``policy`` cannot be built: the backend, the
-    dtype, and that ``policy.model`` is ``tiny``, a fetchable name, or a local directory
-    holding a causal (decoder-only) language model with its tokenizer. Reads ``config.json``
-    only: no weights are loaded."""
+    dtype, the device (:func:`resolve_device`), and that ``policy.model`` is ``tiny``, a
+    fetchable name, or a local directory holding a causal (decoder-only) language model with
+    its tokenizer. Reads ``config.json`` only: no weights are loaded."""
     if p.backend not in ("hf", "vllm"):
         raise ConfigError(f"policy.backend={p.backend!r} is not valid; valid: hf, vllm")
     if p.backend == "vllm":
@@ -219,6 +251,7 @@ def check_model(p: PolicyConfig) -> None:
             )
     if p.dtype not in _DTYPES:
         raise ConfigError(f"policy.dtype={p.dtype!r} is not valid; valid: {', '.join(_DTYPES)}")
+    resolve_device(p.device)
     if p.model == "tiny" or p.model in _fetchers():
         return
     from transformers import AutoConfig
@@ -272,7 +305,10 @@ def build(
     train_tasks: Sequence[str],
     need_demos: bool = True,
 ) -> Agent:
-    """Resolve the model, then wrap it in the policy backend, prompts and parser."""
+    """Resolve the model, put it on ``policy.device``, then wrap it in the policy backend,
+    prompts and parser. Everything that takes the model later follows its device: the
+    transformers policy samples there, the learner builds its batches there, and the KL
+    reference (a copy of ``model`` made after this) lives there too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bpo.policy.hf import HFPolicy
@@ -309,6 +345,9 @@ def build(
     tokenizer = AutoTokenizer.from_pretrained(path)
     if p.lora_rank > 0:
         model = _with_lora(model, p)
+    # moved after the adapters are made: they are initialised from the CPU random stream,
+    # as on a CPU run
+    model = model.to(resolve_device(p.device))
     try:
         if p.backend == "vllm":
             from bpo.policy.vllm import VLLMPolicy

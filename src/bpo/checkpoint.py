@@ -13,6 +13,10 @@ A checkpoint is written into ``iter-XXXXXX.tmp-PID``, every file fsynced, then t
 renamed into place and its parent fsynced, so a crash at any moment leaves either the previous
 checkpoints or a complete new one. :func:`latest_valid` verifies the manifest and falls back to
 the previous good checkpoint when the newest one is partial or corrupt, and says so.
+
+Checkpoints hold CPU tensors whatever device the run trained on, so that they load on a
+machine without a GPU; loading returns CPU tensors, which the caller copies onto its model's
+device (``Agent.load_trainable_state``, ``optimizer.load_state_dict``).
 """
 
 from __future__ import annotations
@@ -59,17 +63,48 @@ class Loaded:
 
 
 def rng_state() -> dict[str, Any]:
-    return {
+    """Python's, NumPy's and torch's global random streams (and CUDA's, once a run uses it)."""
+    state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _has_device_tensors(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type != "cpu"
+    if isinstance(obj, dict):
+        return any(_has_device_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_device_tensors(v) for v in obj)
+    return False
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples on the CPU; ``obj`` itself (the
+    same bytes once saved) when it holds none elsewhere."""
+    if not _has_device_tensors(obj):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple
+        return type(obj)(*(_to_cpu(v) for v in obj))
+    return type(obj)(_to_cpu(v) for v in obj)
 
 
 def _sha256(path: Path) -> str:
@@ -119,7 +154,8 @@ def save_checkpoint(
     """Write checkpoint ``iteration`` under ``root`` atomically; keep the newest ``keep`` (and
     iteration 0, the policy before RL).
 
-    ``state`` may hold anything ``torch.save`` can store (RNG states included). On any error
+    ``state`` may hold anything ``torch.save`` can store (RNG states included). Tensors on
+    another device (a GPU's optimizer state) are saved as CPU tensors. On any error
     (a full disk, say) the partial directory is removed and the previous checkpoints stay.
     """
     root = Path(root)
@@ -132,8 +168,8 @@ def save_checkpoint(
     try:
         tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
         _write(tmp / "model.safetensors", safetensors_bytes(tensors))
-        _write(tmp / "optimizer.pt", _torch_bytes(optimizer))
-        _write(tmp / "state.pt", _torch_bytes(state))
+        _write(tmp / "optimizer.pt", _torch_bytes(_to_cpu(optimizer)))
+        _write(tmp / "state.pt", _torch_bytes(_to_cpu(state)))
         files = ["model.safetensors", "optimizer.pt", "state.pt"]
         manifest = {
             "iteration": iteration,
@@ -205,7 +241,8 @@ def load_checkpoint(path: str | Path) -> Loaded:
             raise CheckpointError(f"no valid checkpoint under {path} ({detail})")
         path = found
     verify(path)
-    weights = load_file(str(path / "model.safetensors"))
-    optimizer = torch.load(path / "optimizer.pt", weights_only=False)
-    state = torch.load(path / "state.pt", weights_only=False)
+    weights = load_file(str(path / "model.safetensors"), device="cpu")
+    # map_location: a checkpoint written by an older version on a GPU still loads without one
+    optimizer = torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu")
+    state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
     return Loaded(path, weights, optimizer, state, tuple(skipped))

@@ -72,6 +72,10 @@ class PolicyConfig:
     backend: str = "hf"
     """Inference backend: hf (transformers) or vllm."""
     dtype: str = "float32"
+    device: str = "auto"
+    """Where the trained model (its sampling with the hf backend, the learner, the KL reference)
+    runs: "auto" (cuda when torch sees a GPU, else cpu), "cpu", "cuda" or "cuda:N". Checked by
+    preflight: "cuda" without a GPU fails there, naming this key."""
     max_new_tokens: int = 24
     temperature: float = 1.0
     top_p: float = 1.0

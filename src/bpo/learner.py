@@ -10,7 +10,12 @@ Update phases (one call of :meth:`Learner.update` = one training iteration):
    whichever :func:`bpo.packing.choose_layout` expects to be cheaper;
 3. for each epoch and minibatch: forward, loss, backward per row chunk; gradient norm before
    clipping; a non-finite loss or gradient skips the step and never reaches the weights;
-4. metrics under ``loss/`` and ``learner/``.
+4. metrics under ``loss/`` and ``learner/`` (plus ``time/learner_tokens_per_s`` and, on a GPU,
+   ``memory/peak_gb``).
+
+Device: every tensor is made on the model's device (:func:`model_device`): packed batches,
+per-token terms, indices, the value head; losses and metrics come back as Python floats. Only
+NumPy arrays (advantages, packing plans) live on the host.
 
 Data parallelism (``bpo.data_parallel``): every rank builds the same ``Learner`` with a
 ``DataParallel`` and calls ``update`` with the same trees; each rank trains on its shard of each
@@ -42,7 +47,7 @@ from bpo.losses import AGGREGATIONS, policy_loss
 from bpo.packing import Packed, attention_pair_cost, choose_layout, pack_forest, pack_paths
 from bpo.tree import Tree
 
-__all__ = ["Learner", "LearnerConfig", "row_chunks", "token_logprobs"]
+__all__ = ["Learner", "LearnerConfig", "model_device", "row_chunks", "token_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,11 @@ class LearnerConfig:
             raise ValueError("epochs and minibatches must be >= 1")
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of a model's (first) parameter: where its inputs must be made."""
+    return next(model.parameters()).device
+
+
 def token_logprobs(
     model: torch.nn.Module,
     packed: Packed,
@@ -111,8 +121,10 @@ def token_logprobs(
     Returns ``(logp [A], entropy [A], index [A])`` where ``index`` selects those tokens in
     ``packed.actions`` (entries of other rows are not computed). When ``hidden`` is a list, the
     last layer's hidden states at each selected token's predictor position are appended to it
-    (``[A, H]``: the state a value head reads).
+    (``[A, H]``: the state a value head reads). Everything is computed on ``model``'s device
+    (the packed inputs are moved there when they were made elsewhere).
     """
+    dev = model_device(model)
     rows = rows or slice(0, packed.num_rows)
     r0 = rows.start or 0
     a = packed.actions
@@ -122,20 +134,22 @@ def token_logprobs(
     # would cost [rows, L, V] memory, 400 MB per 2048-token row at a 49k vocabulary
     keep = np.unique(a.pred[sel])
     out = model(
-        input_ids=packed.input_ids[rows],
-        position_ids=packed.position_ids[rows],
-        attention_mask=packed.attention_mask[rows],
+        input_ids=packed.input_ids[rows].to(dev),
+        position_ids=packed.position_ids[rows].to(dev),
+        attention_mask=packed.attention_mask[rows].to(dev),
         use_cache=False,
         output_hidden_states=hidden is not None,
-        logits_to_keep=torch.from_numpy(keep),
+        logits_to_keep=torch.as_tensor(keep, device=dev),
     )
     logits = out.logits  # [r, P, V]
-    row = torch.from_numpy(a.row[sel] - r0)
-    picked = logits[row, torch.from_numpy(np.searchsorted(keep, a.pred[sel]))]  # [A, V]
+    row = torch.as_tensor(a.row[sel] - r0, device=dev)  # [A]
+    col = torch.as_tensor(np.searchsorted(keep, a.pred[sel]), device=dev)  # [A]
+    picked = logits[row, col]  # [A, V]
     if hidden is not None:
-        hidden.append(out.hidden_states[-1][row, torch.from_numpy(a.pred[sel])])  # [A, H]
+        pred = torch.as_tensor(a.pred[sel], device=dev)  # [A]
+        hidden.append(out.hidden_states[-1][row, pred])  # [A, H]
     logprobs_all = torch.log_softmax(picked.float() / temperature, dim=-1)  # [A, V]
-    tok = torch.from_numpy(a.token[sel])
+    tok = torch.as_tensor(a.token[sel], device=dev)  # [A]
     logp = logprobs_all.gather(-1, tok[:, None]).squeeze(-1)  # [A]
     entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)  # [A]
     return logp, entropy, sel
@@ -171,11 +185,17 @@ class Learner:
         (module docstring); the models are first broadcast from its rank 0."""
         if config.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model (ref_model)")
+        self.device = model_device(model)
+        # attention masks in the model's dtype: transformers casts them to it anyway (the same
+        # log-probs), and a bfloat16 mask takes half the device memory of a float32 one
+        self.mask_dtype = next(model.parameters()).dtype
         if critic and not hasattr(model, "value_head"):
+            # made on the CPU (its init draws from the CPU random stream, as on a CPU run)
             head = torch.nn.Linear(model.config.hidden_size, 1)
             torch.nn.init.zeros_(head.weight)
             torch.nn.init.zeros_(head.bias)
-            model.add_module("value_head", head.to(next(model.parameters()).dtype))
+            param = next(model.parameters())
+            model.add_module("value_head", head.to(device=param.device, dtype=param.dtype))
         self.dp = data_parallel
         if data_parallel is not None:
             data_parallel.broadcast_module(model)
@@ -220,7 +240,7 @@ class Learner:
             for rows in row_chunks(packed, self.config.max_row_tokens):
                 hid: list[torch.Tensor] = []
                 _, _, sel = token_logprobs(self.model, packed, rows, hidden=hid)
-                v = self.model.value_head(hid[0]).squeeze(-1).float().numpy()  # [A]
+                v = self.model.value_head(hid[0]).squeeze(-1).float().cpu().numpy()  # [A]
                 for k, s_ in enumerate(sel):
                     t, node = packed.edges[a.edge[s_]]
                     values[t][trees[t].nodes[node].parent] = v[k]  # same for every token of e
@@ -279,14 +299,14 @@ class Learner:
             w = w / max(totals[0], 1e-30)
         else:  # sequence_mean
             w = w / n_tok[edge] / num_trees
-        f = torch.float32
+        f, dev = torch.float32, self.device
         return {
-            "n_tok": torch.tensor(totals[2]),
-            "adv": torch.tensor(adv, dtype=f),
-            "w": torch.tensor(w, dtype=f),
-            "old": torch.tensor(old, dtype=f),
-            "ret": torch.tensor(ret, dtype=f),
-            "vw": torch.tensor(first / max(totals[1], 1.0), dtype=f),
+            "n_tok": torch.tensor(totals[2], device=dev),
+            "adv": torch.tensor(adv, dtype=f, device=dev),  # [A]
+            "w": torch.tensor(w, dtype=f, device=dev),  # [A]
+            "old": torch.tensor(old, dtype=f, device=dev),  # [A]
+            "ret": torch.tensor(ret, dtype=f, device=dev),  # [A]
+            "vw": torch.tensor(first / max(totals[1], 1.0), dtype=f, device=dev),  # [A]
         }
 
     # -- phases 2-4 ----------------------------------------------------------------------------
@@ -296,8 +316,11 @@ class Learner:
             cost = attention_pair_cost(self.model.config)
             layout = choose_layout(trees, cost, self.config.max_row_tokens)
         if layout == "forest":
-            return pack_forest(trees, pad_id=self.pad_id, max_row_tokens=self.config.max_row_tokens)
-        return pack_paths(trees, pad_id=self.pad_id)
+            return pack_forest(
+                trees, pad_id=self.pad_id, max_row_tokens=self.config.max_row_tokens,
+                dtype=self.mask_dtype, device=self.device,
+            )  # fmt: skip
+        return pack_paths(trees, pad_id=self.pad_id, dtype=self.mask_dtype, device=self.device)
 
     def update(
         self, trees: Sequence[Tree], estimator: str = "bpo", **estimator_options: Any
@@ -327,20 +350,26 @@ class Learner:
         if self.dp is not None:
             counts = self.dp.sum(counts)
         n_adv = max(counts[5], 1.0)
+        seconds = time.perf_counter() - t_start
         metrics = {k: float(np.mean(v)) for k, v in logs.items()}
         metrics["learner/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["learner/grad_norm_max"] = float(np.max(logs.get("learner/grad_norm", [0.0])))
         metrics.update(
             {
                 "learner/updates": float(self.updates),
-                "learner/seconds": time.perf_counter() - t_start,
+                "learner/seconds": seconds,
                 "learner/computed_tokens": float(counts[0]),
                 "learner/action_tokens": float(counts[1]),
                 "loss/adv_mean": float(counts[2] / n_adv),
                 "loss/adv_abs_mean": float(counts[3] / n_adv),
                 "loss/adv_zero_frac": float(counts[4] / n_adv),
+                # tokens through forward and backward (each epoch's pass counts) per second of
+                # the whole update; a timing, so under time/ (not compared across resumes)
+                "time/learner_tokens_per_s": float(counts[0]) * cfg.epochs / max(seconds, 1e-9),
             }
         )
+        if self.device.type == "cuda":  # peak since the process started: rollouts included
+            metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
 
     def gradient(
@@ -418,7 +447,7 @@ class Learner:
             logp, ent, sel = token_logprobs(self.model, packed, rows, cfg.temperature, hid)
             if len(sel) == 0:
                 continue
-            idx = torch.from_numpy(sel)
+            idx = torch.as_tensor(sel, device=self.device)  # [A]
             ref = None
             if self.ref_model is not None and cfg.kl_coef > 0:
                 with torch.no_grad():

@@ -12,6 +12,9 @@ under eager attention (MACHINE.md). The dense ``[L, L]`` mask costs O(L^2), whic
 :func:`choose_layout` weighs the tokens the forest saves against its wider rows and falls back
 to independent (padded) rows when the trees share little.
 
+The layout is planned on the host (NumPy); the tensors are then made on the requested
+``device`` (the model's: the learner passes it), one copy each.
+
 Written by hand because no library packs tree-structured sequences for training: TRL, verl and
 OpenRLHF pack *independent* sequences (block-diagonal masks), not shared prefixes.
 """
@@ -114,11 +117,12 @@ def _to_packed(
     edges: list[tuple[int, int]],
     pad_id: int,
     dtype: torch.dtype,
+    device: torch.device | str,
 ) -> Packed:
     width = max(len(ids) for ids, _, _ in rows)
     r = len(rows)
-    input_ids = torch.full((r, width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((r, width), dtype=torch.long)
+    input_ids = np.full((r, width), pad_id, dtype=np.int64)
+    position_ids = np.zeros((r, width), dtype=np.int64)
     vis = np.zeros((r, width, width), dtype=bool)
     a_row, a_pred, a_tok, a_edge = [], [], [], []
     computed = 0
@@ -126,8 +130,8 @@ def _to_packed(
         m, d = _ancestor_mask(prev)
         n = len(ids)
         computed += n
-        input_ids[k, :n] = torch.tensor(ids, dtype=torch.long)
-        position_ids[k, :n] = torch.from_numpy(d)
+        input_ids[k, :n] = ids
+        position_ids[k, :n] = d
         vis[k, :n, :n] = m
         vis[k, n:, n:] = np.eye(width - n, dtype=bool)  # padding attends to itself only
         for pos, edge, pred, tok in acts:
@@ -136,15 +140,20 @@ def _to_packed(
             a_tok.append(tok)
             a_edge.append(edge)
             del pos
-    mask = torch.zeros((r, 1, width, width), dtype=dtype)
-    mask.masked_fill_(~torch.from_numpy(vis)[:, None], torch.finfo(dtype).min)
+    mask = torch.zeros((r, 1, width, width), dtype=dtype, device=device)
+    hidden = ~torch.as_tensor(vis, device=device)[:, None]  # [R, 1, L, L] bool
+    mask.masked_fill_(hidden, torch.finfo(dtype).min)
     actions = ActionTokens(
         np.array(a_row, dtype=np.int64),
         np.array(a_pred, dtype=np.int64),
         np.array(a_tok, dtype=np.int64),
         np.array(a_edge, dtype=np.int64),
     )
-    return Packed(input_ids, position_ids, mask, actions, edges, computed)
+    return Packed(
+        torch.as_tensor(input_ids, device=device),
+        torch.as_tensor(position_ids, device=device),
+        mask, actions, edges, computed,
+    )  # fmt: skip
 
 
 def pack_forest(
@@ -153,11 +162,13 @@ def pack_forest(
     pad_id: int = 0,
     dtype: torch.dtype = torch.float32,
     max_row_tokens: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> Packed:
     """Each tree's unique tokens once; consecutive trees share a row (block-diagonal) while it
     has room: up to ``max_row_tokens``, and never wider than the largest tree, since every row
     is padded to that width anyway and attention costs the square of a row's width (four
-    512-token trees in one 2048-token row took 2.7x as long as four rows; BENCHMARKS.md)."""
+    512-token trees in one 2048-token row took 2.7x as long as four rows; BENCHMARKS.md).
+    The tensors are made on ``device``."""
     edges: list[tuple[int, int]] = []
     forests = [_tree_tokens(tree) for tree in trees]
     cap = _row_cap([len(ids) for ids, _, _ in forests], max_row_tokens)
@@ -181,7 +192,7 @@ def pack_forest(
             if pred < 0:
                 raise ValueError(f"tree {t} node {node}: an action token has no context before it")
             row_acts.append((pos + off, node_edge[node], pred, row_ids[pos + off]))
-    return _to_packed(rows, edges, pad_id, dtype)
+    return _to_packed(rows, edges, pad_id, dtype, device)
 
 
 def _row_cap(lengths: Sequence[int], max_row_tokens: int | None) -> int:
@@ -204,13 +215,18 @@ def _shared_rows(lengths: Sequence[int], max_row_tokens: int | None) -> list[int
 
 
 def pack_paths(
-    trees: Sequence[Tree], *, pad_id: int = 0, dtype: torch.dtype = torch.float32
+    trees: Sequence[Tree],
+    *,
+    pad_id: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> Packed:
     """The independent layout: one row per leaf (its full root-to-leaf sequence, causal mask).
     Each edge's tokens are scored in the first row (leftmost leaf) whose path contains it.
     A context reset on the path ends the row after the reset node's action (which was sampled
     from the old context) and starts a new row with the new context. This is the reference
-    the packed forest must equal, and the faster layout when trees share little."""
+    the packed forest must equal, and the faster layout when trees share little. The tensors
+    are made on ``device``."""
     edges: list[tuple[int, int]] = []
     rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = []
 
@@ -245,7 +261,7 @@ def pack_paths(
                     ids, acts = [], []
                 ids.extend(node.obs_ids)
             flush(ids, acts)
-    return _to_packed(rows, edges, pad_id, dtype)
+    return _to_packed(rows, edges, pad_id, dtype, device)
 
 
 SDPA_MASK_OVERHEAD = 4.0

@@ -6,6 +6,10 @@ is copied into its first columns, its uncached suffix is computed in place. Deco
 column W + t at step t for every row. Because each row gets its own attention mask (its own
 columns, causal) and its own position ids (0 .. len - 1, whatever its column), rows with
 different context lengths and different cached lengths are computed exactly as alone.
+
+Device: the buffer, masks, ids and logits live on the model's device; each batch's ids and
+positions are planned on the host and copied once. The only host tensors are the sampling
+uniforms, drawn from CPU generators so that a seed gives the same draws on any device.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from bpo.policy.kv_buffer import WritePlan, attention_bias, buffer_cache
@@ -96,7 +101,7 @@ class BatchRunner:
         kv = torch.zeros(
             (layers, 2, len(reqs), n_kv, width, head_dim), dtype=self.dtype, device=self.device
         )
-        first: list[torch.Tensor] = [torch.empty(0)] * len(reqs)
+        first: list[torch.Tensor] = [torch.empty(0, device=self.device)] * len(reqs)
         for k, r in enumerate(order):
             req = reqs[r]
             if req.cached:
@@ -134,18 +139,21 @@ class BatchRunner:
         """Run the suffixes of ``rows`` (buffer slice ``kv``) as one left-padded batch whose
         keys/values are scattered to each row's columns; returns last-position logits [R, V]."""
         dev, span = self.device, reqs[rows[0]].suffix
-        ids = torch.full((len(rows), span), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((len(rows), span), dtype=torch.long)
-        real = torch.zeros((len(rows), span), dtype=torch.bool)
-        start = torch.empty(len(rows), dtype=torch.long)
+        ids_h = np.full((len(rows), span), self.pad_id, dtype=np.int64)  # host plan, copied once
+        pos_h = np.zeros((len(rows), span), dtype=np.int64)
+        real_h = np.zeros((len(rows), span), dtype=bool)
+        start_h = np.empty(len(rows), dtype=np.int64)
         for i, r in enumerate(rows):
             req = reqs[r]
             s = req.suffix
-            ids[i, span - s :] = torch.tensor(req.ctx[req.cached :])
-            pos[i, span - s :] = torch.arange(req.cached, len(req.ctx))
-            real[i, span - s :] = True
-            start[i] = width - len(req.ctx)
-        ids, pos, real, start = ids.to(dev), pos.to(dev), real.to(dev), start.to(dev)
+            ids_h[i, span - s :] = req.ctx[req.cached :]
+            pos_h[i, span - s :] = np.arange(req.cached, len(req.ctx))
+            real_h[i, span - s :] = True
+            start_h[i] = width - len(req.ctx)
+        ids = torch.as_tensor(ids_h, device=dev)  # [R, S]
+        pos = torch.as_tensor(pos_h, device=dev)  # [R, S]
+        real = torch.as_tensor(real_h, device=dev)  # [R, S]
+        start = torch.as_tensor(start_h, device=dev)  # [R]
         cols = torch.arange(width - span, width, device=dev).expand(len(rows), span)  # [R, S]
         keys = torch.arange(width, device=dev)  # [W]
         # own context, causal; padding queries attend to the scratch column only
@@ -204,7 +212,7 @@ class BatchRunner:
         while True:
             # sample one token for every unfinished row
             need = (~done).nonzero().squeeze(-1)
-            u = torch.zeros(len(live))
+            u = torch.zeros(len(live), device="cpu")  # uniforms come from CPU generators
             if params.temperature > 0 and len(need):
                 u[need.cpu()] = uniforms.next(live[need].cpu())
             step = draw(logits, params, u.to(dev))

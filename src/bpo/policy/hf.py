@@ -61,6 +61,9 @@ class HFPolicy:
 
     ``model`` is a local model directory (Qwen2, Llama, SmolLM, ...) or an already loaded
     ``PreTrainedModel`` (then ``tokenizer`` is required; the learner may train that same module).
+    It samples on the model's device (``device`` only places a model loaded from a directory);
+    the prefix cache keeps its KV and logits there. The sampling generator stays on the CPU, so
+    that a seed draws the same uniforms on any device.
     """
 
     def __init__(

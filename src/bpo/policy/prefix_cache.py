@@ -13,6 +13,9 @@ tokens after its longest cached prefix, and stores a prefix shared by many seque
   forward pass at all -- the BPO case: the backbone sampled at s_t, the branch rule then asks
   for K-1 forks from the same context.
 * Eviction: least recently used leaves first, until the tokens held fit the budget.
+
+Tensors stay where they were computed (the model's device): slices and concatenations of the
+KV and logits it is given; the cache itself makes none.
 """
 
 from __future__ import annotations
