@@ -588,6 +588,7 @@ class Trainer:
              "rollout/prefix_hit_rate": batch.prefix_hit_rate}  # fmt: skip
         if self.engines is not None:
             m["time/weight_sync_s"] = self.engines.sync_seconds
+            m["cluster/engine_restarts"] = self.engines.restarts
         m["time/tokens_per_s"] = m["compute/generated_tokens"] / max(batch.seconds, 1e-9)
         if self.fault_config is not None:
             m.update({f"faults/injected_{k}": v for k, v in self.fault_config.counts.items()})

@@ -136,3 +136,35 @@ def test_asynchronous_rollouts_in_one_process(tmp_path: Path) -> None:
     # the run resumes (from its last checkpoint) like a synchronous one
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts[-1] == "iter-000004"
+
+
+def test_an_engine_killed_mid_run_is_restarted(cluster, tmp_path: Path) -> None:
+    """SIGKILL one inference engine's process while the run samples: the engine comes back in
+    its bundle with the current weights, the turn's batch is sampled again, the run ends."""
+    import signal
+
+    c, _, _ = cluster
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "bpo.cli", "train", *TOY, "run.iterations=4",
+        f"cluster.address={c.address}", "cluster.inference_engines=2",
+        "cluster.engine_resources={CPU: 0.5, rollout_node: 1}", "--out", str(run),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        info = run / "cluster.json"
+        while not (info.exists() and (run / "metrics.jsonl").exists()) and time.time() < deadline:
+            time.sleep(0.2)  # the engines are up and the first iteration has been logged
+        assert info.exists(), "the run never started its engines"
+        os.kill(json.loads(info.read_text())["engines"][0]["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    rows = _metrics(run)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["cluster/engine_restarts"] == 1
+    # killed while sampling: the batch was sampled again; while syncing weights: nothing to redo
+    assert sum(r["rollout/policy_retries"] for r in rows) <= 1

@@ -201,7 +201,12 @@ def _ray_call(calls: list[tuple[Any, str, tuple]]) -> list[Any]:
 
 class EngineGroup:
     """``cluster.inference_engines`` engine actors behind one :class:`RoutedPolicy`; a
-    :class:`bpo.rollout.asynchronous.WeightSync` (the engines hold weights of their own)."""
+    :class:`bpo.rollout.asynchronous.WeightSync` (the engines hold weights of their own).
+
+    An engine that dies (killed, out of memory, its node lost) is started again in its bundle
+    with the current weights, and the call that met the death fails, so that the rollout
+    engine samples that turn's batch again (``RolloutEngine._sample`` retries it; counted in
+    ``rollout/policy_retries``, restarts in :attr:`restarts`)."""
 
     needs_state = True
 
@@ -212,29 +217,66 @@ class EngineGroup:
 
         from bpo.cluster.routing import RoutedPolicy
 
-        engine = ray.remote(_InferenceEngine)
         if next(model.parameters()).device.type != "cpu":  # engines place their own copy
             model = copy.deepcopy(model).to("cpu")
-        model_ref = ray.put(model)  # once in the object store, fetched by each engine's node
-        self.actors = [
-            engine.options(**placement.options(b)).remote(
-                model_ref, tokenizer, seed + 1 + i, cache_tokens
-            )
-            for i, b in enumerate(placement.engines)
-        ]
-        self.policy = RoutedPolicy(self.actors, tokenizer, stop_token_ids, _ray_call, routing)
+        self._remote = ray.remote(_InferenceEngine)
+        self._model = ray.put(model)  # once in the object store, fetched by each engine's node
+        self._placement, self._tokenizer = placement, tokenizer
+        self._seed, self._cache_tokens = seed, cache_tokens
+        self._weights: Any = None
+        self.restarts = 0
+        self.actors = [self._start(i) for i in range(len(placement.engines))]
+        self.policy = RoutedPolicy(self.actors, tokenizer, stop_token_ids, self._call, routing)
         self.version = -1
         self.sync_seconds = 0.0
+
+    def _start(self, i: int) -> Any:
+        """Engine ``i`` in its bundle (a restarted one samples with a stream of its own)."""
+        opts = self._placement.options(self._placement.engines[i])
+        seed = self._seed + 1 + i + 1000 * self.restarts
+        return self._remote.options(**opts).remote(self._model, self._tokenizer, seed,
+                                                   self._cache_tokens)  # fmt: skip
+
+    def _call(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
+        from ray.exceptions import RayActorError
+
+        try:
+            return _ray_call(calls)
+        except RayActorError:
+            self._restart_dead()
+            raise
+
+    def _restart_dead(self) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        for i, actor in enumerate(self.actors):
+            try:
+                ray.get(actor.where.remote(), timeout=60)
+                continue
+            except RayActorError:
+                pass
+            except ray.exceptions.GetTimeoutError:
+                ray.kill(actor)  # hung: no better than dead
+            self.restarts += 1
+            fresh = self._start(i)
+            if self._weights is not None:
+                ray.get(fresh.set_weights.remote(self.version, self._weights))
+            self.actors[i] = self.policy.engines[i] = fresh
 
     def load(self, version: int, state: dict[str, torch.Tensor]) -> None:
         """Every engine takes the learner's weights (one copy in the object store)."""
         import ray
+        from ray.exceptions import RayActorError
 
         t0 = time.perf_counter()
         ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
-        ray.get([a.set_weights.remote(version, ref) for a in self.actors])
+        self._weights, self.version = ref, version  # kept for engines that restart
+        try:
+            ray.get([a.set_weights.remote(version, ref) for a in self.actors])
+        except RayActorError:
+            self._restart_dead()  # they start with these weights
         self.policy.router.reset()
-        self.version = version
         self.sync_seconds = time.perf_counter() - t0
 
     def where(self) -> list[dict[str, Any]]:
