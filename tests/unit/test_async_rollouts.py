@@ -83,7 +83,11 @@ def _learn(n: int, staleness: int, update_s: float, **kw) -> tuple[list, _Engine
     seen = []
     try:
         for b in range(1, n + 1):
+            # what a checkpoint taken now saves: the tasks of the next batch to train on,
+            # whether it is done, in flight or not started
+            expected = r.next_draw_state()
             batch = r.next(b)
+            assert batch.draw_state == expected
             check_versions(batch.trees, batch.version)
             seen.append((b, batch.version, b - 1 - batch.version))
             time.sleep(update_s)  # the update

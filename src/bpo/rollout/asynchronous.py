@@ -195,14 +195,10 @@ class Rollouts:
                         return
                     self._busy = True
                     draw = self._take_draw()
-                try:
-                    batch = self._make(draw)
-                finally:
-                    with self._cond:
-                        self._busy = False
-                        self._cond.notify_all()
-                with self._cond:
+                batch = self._make(draw)  # an error: the except below clears _busy
+                with self._cond:  # ready and no longer busy at once (next_draw_state)
                     self._ready[b] = batch
+                    self._busy = False
                     self._cond.notify_all()
         except BaseException as e:  # handed to the learner's next()
             with self._cond:
