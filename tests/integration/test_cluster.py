@@ -133,9 +133,38 @@ def test_asynchronous_rollouts_in_one_process(tmp_path: Path) -> None:
     assert [r["async/staleness"] for r in rows] == [0, 1, 1, 1]
     assert [r["async/policy_version"] for r in rows] == [0, 0, 1, 2]
     assert all(len(v) == 1 for v in _tree_versions(run))
-    # the run resumes (from its last checkpoint) like a synchronous one
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts[-1] == "iter-000004"
+
+
+def test_an_asynchronous_run_stopped_by_ctrl_c_resumes(tmp_path: Path) -> None:
+    """Ctrl-C: the iteration in flight finishes (the batch being sampled ahead is dropped), a
+    checkpoint is saved; --resume samples that batch again with the checkpoint's weights."""
+    import signal
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "bpo.cli", "train", *TOY, "run.iterations=4",
+           "run.max_staleness=1", "--out", str(run)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        while not (run / "metrics.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "--resume" in out, out[-3000:]
+    done = len(_metrics(run))
+    assert 1 <= done < 4
+    p = subprocess.run([sys.executable, "-m", "bpo.cli", "train", "--resume", str(run)],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = _metrics(run)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    # the first batch after the resume is sampled by the checkpoint's weights (staleness 0)
+    assert [r["async/staleness"] for r in rows[done:]] == [0] + [1] * (3 - done)
 
 
 def test_an_engine_killed_mid_run_is_restarted(cluster, tmp_path: Path) -> None:
