@@ -210,6 +210,7 @@ def bpo(
     root_baseline: float | None = None,
     std_normalize: bool = False,
     eps: float = 1e-6,
+    reward_to_go: bool = False,
     **options: Any,
 ) -> EdgeAdvantages:
     """Sibling leave-one-out advantages over any tree (DESIGN section 4).
@@ -224,8 +225,16 @@ def bpo(
 
     ``std_normalize`` divides each sibling group's advantages by the group's standard
     deviation (biased; off by default, as in Dr. GRPO, Liu et al. 2025).
+
+    ``reward_to_go`` (unbiased, off by default): an edge out of a single-child node gets
+    ``Q(e) - LOO mean at b`` instead, i.e. the rewards collected between b and the edge are not
+    subtracted from the baseline. Both baselines use only the siblings and the prefix; this one
+    leaves a turn's advantage free of the per-turn rewards (e.g. invalid-action penalties) of
+    the turns before it in the chain, so that an immediate penalty is credited to its own turn
+    and the turns before it, not to the turns after it.
     """
     _reject("bpo", options)
+    keep = 0.0 if reward_to_go else 1.0
     _, q = node_values(tree)
     n = len(tree.parents)
     k = tree.num_children
@@ -253,7 +262,7 @@ def bpo(
                 s = _inv_std(qs, eps)
             for c, b, ai in zip(ch, loo, a, strict=True):
                 adv[c] = ai * s
-                base[c] = b - tree.rewards[c]
+                base[c] = b - keep * tree.rewards[c]
                 scale[c] = s
         else:
             (c,) = ch
@@ -261,7 +270,7 @@ def bpo(
                 adv[c] = 0.0
             else:
                 adv[c] = (q[c] - base[u]) * scale[u]
-            base[c] = base[u] - tree.rewards[c]
+            base[c] = base[u] - keep * tree.rewards[c]
             scale[c] = scale[u]
         for c in ch:
             weight[c] = w_u

@@ -93,10 +93,14 @@ def _check_shape_and_weights(parents, result) -> None:
     tree=trees(),
     std_normalize=st.booleans(),
     root_baseline=st.one_of(st.none(), st.floats(-1e6, 1e6)),
+    reward_to_go=st.booleans(),
 )
-def test_bpo_on_any_valid_tree(tree, std_normalize, root_baseline):
+def test_bpo_on_any_valid_tree(tree, std_normalize, root_baseline, reward_to_go):
     parents, rewards = tree
-    res = compute("bpo", parents, rewards, std_normalize=std_normalize, root_baseline=root_baseline)
+    res = compute(
+        "bpo", parents, rewards, std_normalize=std_normalize, root_baseline=root_baseline,
+        reward_to_go=reward_to_go,
+    )  # fmt: skip
     _check_shape_and_weights(parents, res)
     # rounding bound: returns are at most sum |r|; std normalisation scales by up to 1 / eps
     tol = 1e-9 * max(1.0, float(np.abs(rewards).sum())) * (1e6 if std_normalize else 1.0)

@@ -44,6 +44,28 @@ def test_bpo_chain_baseline_formula():
     np.testing.assert_allclose(res.advantage[[2, 5]], [q2 - q1] * 2, atol=1e-12)
 
 
+def test_bpo_reward_to_go_chain_baseline():
+    # reward_to_go: a chain edge e below branch node b gets Q(e) - LOO mean at b (the rewards
+    # collected between b and e are not subtracted), so a turn's own reward counts for it and
+    # the turns above it in the chain, never for the turns below it.
+    parents = [-1, 0, 0, 1, 3, 2]
+    rewards = [0.0, 0.3, 0.1, 0.4, 0.2, 0.0]
+    res = compute("bpo", parents, rewards, reward_to_go=True)
+    q2 = 0.1 + 0.0
+    q1, q3, q4 = 0.3 + 0.4 + 0.2, 0.4 + 0.2, 0.2
+    q5 = 0.0
+    np.testing.assert_allclose(
+        res.advantage, [0, q1 - q2, q2 - q1, q3 - q2, q4 - q2, q5 - q1], atol=1e-12
+    )
+    np.testing.assert_allclose(res.weight, compute("bpo", parents, rewards).weight)
+    # with rewards on the last edges only (no intermediate rewards) it is plain BPO
+    np.testing.assert_allclose(
+        compute("bpo", NESTED_PARENTS, [0, 0, 0, 1, 0, 0, 0, 1, 2], reward_to_go=True).advantage,
+        compute("bpo", NESTED_PARENTS, [0, 0, 0, 1, 0, 0, 0, 1, 2]).advantage,
+        atol=1e-12,
+    )
+
+
 def test_nested_branch_inside_chain():
     # root(K=2) -> 1 -> 3 (branch K=2: 4, 5); root -> 2
     parents = [-1, 0, 0, 1, 3, 3]
