@@ -93,6 +93,25 @@ class DataParallel:
                 p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
                 offset += n
 
+    def gather(self, items: list) -> list:
+        """Every rank's items, in rank order, on every rank (any picklable objects)."""
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, items, group=self.group)
+        return [x for part in parts for x in part]
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is True on any (e.g. a Ctrl-C one rank received)."""
+        return bool(self.sum([float(flag)])[0] > 0)
+
+    def check_equal(self, module: torch.nn.Module) -> None:
+        """Fail loudly when the replicas of ``module`` drifted apart (a rank that skipped an
+        update, a nondeterministic kernel): compares a checksum of the parameters."""
+        with torch.no_grad():
+            local = float(sum(p.double().sum() for p in module.parameters()))
+        sums = self.gather([local])
+        if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
+            raise RuntimeError(f"data-parallel replicas diverged: parameter sums {sums}")
+
     def broadcast_module(self, module: torch.nn.Module) -> None:
         """Rank 0's parameters and buffers on every rank (as DDP does at construction)."""
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0

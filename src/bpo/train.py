@@ -466,7 +466,11 @@ class Trainer:
         try:
             quiet = None if self.writes else Console(quiet=True)
             with IterationProgress(cfg.run.iterations, self.iteration, quiet) as bar:
-                while self.iteration < cfg.run.iterations and not self._stopping(stop["flag"]):
+                # under torchrun every rank stops after the same iteration (any rank's Ctrl-C
+                # counts), or the others would wait forever in the next collective
+                while self.iteration < cfg.run.iterations and not (
+                    self.dp.any(stop["flag"]) if self.dp else stop["flag"]
+                ):
                     row = self._iteration()
                     bar.update(row["rollout/success"], row["time/tokens_per_s"])
         except BaseException:
@@ -478,7 +482,8 @@ class Trainer:
             self.rollouts.close()
         if self.iteration < cfg.run.iterations:
             return self._interrupted()
-        self._check_replicas()
+        if self.dp is not None:
+            self.dp.check_equal(self.bundle.model)
         after = self.evaluate()
         summary = {
             "eval_before": self.eval_before.__dict__ if self.eval_before else None,
@@ -494,31 +499,9 @@ class Trainer:
         self._close_roles()
         return summary
 
-    def _stopping(self, flag: bool) -> bool:
-        """Ctrl-C: under torchrun every rank stops after the same iteration (any rank's
-        signal counts), or the others would wait forever in the next collective."""
-        if self.dp is None:
-            return flag
-        return bool(self.dp.sum([float(flag)])[0] > 0)
-
     def _gather(self, items: list[Any]) -> list[Any]:
-        """Every rank's items, in rank order, on every rank."""
-        if self.dp is None:
-            return items
-        parts: list[Any] = [None] * self.dp.world
-        torch.distributed.all_gather_object(parts, items, group=self.dp.group)
-        return [x for part in parts for x in part]
-
-    def _check_replicas(self) -> None:
-        """Data parallelism keeps the replicas equal (identical gradients, identical steps);
-        fail loudly if they drifted (a rank that skipped an update, a nondeterministic op)."""
-        if self.dp is None:
-            return
-        with torch.no_grad():
-            local = float(sum(p.double().sum() for p in self.bundle.model.parameters()))
-        sums = self._gather([local])
-        if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
-            raise RuntimeError(f"data-parallel replicas diverged: parameter sums {sums}")
+        """Under torchrun every rank's items (in rank order), else ``items``."""
+        return self.dp.gather(items) if self.dp is not None else items
 
     def _close_roles(self) -> None:
         """Close the rollout engine's sandboxes, the sampler, the cluster's actors."""
