@@ -18,11 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from bpo.data_parallel import DataParallel
 from bpo.learner import Learner, LearnerConfig
-from bpo.tree import Tree, Turn
+from bpo.testing import random_tree, tiny_causal_lm
 
 VOCAB = 64
 WORLD = 2
@@ -49,38 +48,7 @@ COMPARED = (
 )  # fmt: skip
 
 
-def tiny(seed=0):
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    model = Qwen2ForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
-    return model.float()
-
-
-def random_tree(rng, prefix=12, k=3, depth=2):
-    t = Tree("t")
-    t.add_root(rng.integers(1, VOCAB, prefix).tolist())
-    frontier = [0]
-    for level in range(depth):
-        nxt = []
-        for u in frontier:
-            for _ in range(k if level < depth - 1 or u == frontier[0] else 1):
-                n_act = int(rng.integers(1, 5))
-                turn = Turn(
-                    tuple(rng.integers(1, VOCAB, n_act).tolist()),
-                    tuple(float(-x) for x in rng.random(n_act)),
-                    (0.5,) * n_act,
-                    "a",
-                    float(rng.random()),
-                    terminated=level == depth - 1,
-                )
-                obs = [] if level == depth - 1 else rng.integers(1, VOCAB, 3).tolist()
-                nxt.append(t.add_child(u, turn, obs))
-        frontier = nxt
-    return t
+tiny = tiny_causal_lm
 
 
 def run_scenarios(dp: DataParallel | None) -> dict[str, dict]:

@@ -4,57 +4,16 @@ one update changes every trainable parameter."""
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from bpo.learner import Learner, LearnerConfig, NonFiniteError, token_logprobs
 from bpo.packing import choose_layout, pack_forest, pack_paths
-from bpo.tree import Tree, Turn
+from bpo.testing import random_tree, tiny_causal_lm
+from bpo.tree import Turn
 
 VOCAB = 64
 
 
-def tiny(arch="qwen2", attn="sdpa", seed=0):
-    torch.manual_seed(seed)
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**kw))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**kw))
-    model.config._attn_implementation = attn
-    return model.float()
-
-
-def random_tree(rng, prefix=12, k=3, depth=2, reset_at=None):
-    t = Tree("t")
-    t.add_root(rng.integers(1, VOCAB, prefix).tolist())
-    frontier = [0]
-    for level in range(depth):
-        nxt = []
-        for u in frontier:
-            for _ in range(k if level < depth - 1 or u == frontier[0] else 1):
-                n_act = int(rng.integers(1, 5))
-                act = rng.integers(1, VOCAB, n_act).tolist()
-                turn = Turn(
-                    tuple(act),
-                    tuple(float(-x) for x in rng.random(n_act)),
-                    (0.5,) * n_act,
-                    "a",
-                    float(rng.random()),
-                    terminated=level == depth - 1,
-                )
-                obs = [] if level == depth - 1 else rng.integers(1, VOCAB, 3).tolist()
-                c = t.add_child(u, turn, obs, context_reset=(reset_at == level and bool(obs)))
-                nxt.append(c)
-        frontier = nxt
-    return t
+tiny = tiny_causal_lm
 
 
 def edge_logps(model, packed):
