@@ -59,6 +59,13 @@ ENVS = {
 }
 
 
+def train_tasks(key: str) -> list[str]:
+    """The training split of ``ENVS[key]`` (twx lists tasks per game options; the toy game's
+    options are sandbox options only)."""
+    env, opts = ENVS[key]
+    return list(list_tasks(env, "train", **opts) if env == "twx" else list_tasks(env, "train"))
+
+
 def engine_for(
     policy: Any, factory: Any, a: argparse.Namespace, step_threads: int
 ) -> RolloutEngine:
@@ -81,12 +88,7 @@ def engine_for(
 
 def rollouts(name: str, policy: Any, factory: Any, a: argparse.Namespace,
              step_threads: int = 1) -> tuple[dict[str, Any], list]:  # fmt: skip
-    env, _ = ENVS[a.env]
-    tasks = (
-        list_tasks(env, "train", **ENVS[a.env][1])[: a.tasks]
-        if env == "twx"
-        else (list_tasks(env, "train")[: a.tasks])
-    )
+    tasks = train_tasks(a.env)[: a.tasks]
     engine = engine_for(policy, factory, a, step_threads)
     try:
         for it in range(2):
@@ -124,7 +126,7 @@ def part_costs(policy: HFPolicy, trees: list, model: torch.nn.Module, a: argpars
 
     rows: list[dict[str, Any]] = []
     env, opts = ENVS[a.env]
-    task = (list_tasks(env, "train", **opts) if env == "twx" else list_tasks(env, "train"))[0]
+    task = train_tasks(a.env)[0]
     # policy latency against batch size: the first turn's contexts of distinct tasks
     prompter = PromptBuilder(policy.tokenizer, max_context_tokens=1024)
     ctxs = []

@@ -580,11 +580,11 @@ class Trainer:
                   "rollout/policy_retries": faults["policy_retries"]})  # fmt: skip
         if cfg.eval.every and self.iteration % cfg.eval.every == 0:
             m.update(self.evaluate().as_metrics())
-        if not self.writes:
-            self.saved_at = self.iteration
-            return {k: float(v) for k, v in m.items()}
-        row = self.metrics.log(self.iteration, m)
-        self._log_trees(trees[: cfg.run.log_trees])
+        if self.writes:  # rank 0 of a torchrun job, or the only process
+            row = self.metrics.log(self.iteration, m)
+            self._log_trees(trees[: cfg.run.log_trees])
+        else:
+            row = {k: float(v) for k, v in m.items()}
         if self.iteration % cfg.run.checkpoint_every == 0 or self.iteration == cfg.run.iterations:
             self.save()
         self.log(
