@@ -195,5 +195,6 @@ def test_an_engine_killed_mid_run_is_restarted(cluster, tmp_path: Path) -> None:
     rows = _metrics(run)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["cluster/engine_restarts"] == 1
-    # killed while sampling: the batch was sampled again; while syncing weights: nothing to redo
-    assert sum(r["rollout/policy_retries"] for r in rows) <= 1
+    # whatever call met the death (a sampling call, the cache statistics, a weight sync) was
+    # made again by the engine group: nothing reached the rollout engine's own retries
+    assert sum(r["rollout/policy_retries"] for r in rows) == 0

@@ -204,9 +204,9 @@ class EngineGroup:
     :class:`bpo.rollout.asynchronous.WeightSync` (the engines hold weights of their own).
 
     An engine that dies (killed, out of memory, its node lost) is started again in its bundle
-    with the current weights, and the call that met the death fails, so that the rollout
-    engine samples that turn's batch again (``RolloutEngine._sample`` retries it; counted in
-    ``rollout/policy_retries``, restarts in :attr:`restarts`)."""
+    with the current weights, and the call that met the death is made again, once (a sampling
+    call re-samples the turn's whole batch; a second failure reaches the rollout engine, which
+    retries the batch itself). Restarts are counted in :attr:`restarts`."""
 
     needs_state = True
 
@@ -242,14 +242,16 @@ class EngineGroup:
 
         try:
             return _ray_call(calls)
-        except RayActorError:
-            self._restart_dead()
-            raise
+        except RayActorError:  # every call (sample, stats, ...) is safe to make again
+            fresh = self._restart_dead()
+            return _ray_call([(fresh.get(id(a), a), m, args) for a, m, args in calls])
 
-    def _restart_dead(self) -> None:
+    def _restart_dead(self) -> dict[int, Any]:
+        """Start the dead engines again; returns ``{id(dead handle): new handle}``."""
         import ray
         from ray.exceptions import RayActorError
 
+        fresh: dict[int, Any] = {}
         for i, actor in enumerate(self.actors):
             try:
                 ray.get(actor.where.remote(), timeout=60)
@@ -259,10 +261,11 @@ class EngineGroup:
             except ray.exceptions.GetTimeoutError:
                 ray.kill(actor)  # hung: no better than dead
             self.restarts += 1
-            fresh = self._start(i)
+            new = self._start(i)
             if self._weights is not None:
-                ray.get(fresh.set_weights.remote(self.version, self._weights))
-            self.actors[i] = self.policy.engines[i] = fresh
+                ray.get(new.set_weights.remote(self.version, self._weights))
+            self.actors[i] = self.policy.engines[i] = fresh[id(actor)] = new
+        return fresh
 
     def load(self, version: int, state: dict[str, torch.Tensor]) -> None:
         """Every engine takes the learner's weights (one copy in the object store)."""
