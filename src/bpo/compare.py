@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -59,22 +61,106 @@ def _ci95(x: Sequence[float]) -> tuple[float, float]:
 
 
 def _warm_start(cfg: Config, out: Path, seed: int) -> Path:
-    """One supervised warm start per seed; every method starts from the saved model."""
+    """One supervised warm start per seed, and its held-out score (``eval_before.json``): every
+    method starts from the saved model, so its score before RL is this one and is computed
+    once (evaluation seeds its episodes per task, so a method's own evaluation would repeat
+    it exactly)."""
     from bpo.train import Trainer
 
-    path = out / f"sft-seed{seed}" / "model"
-    if (path / "config.json").exists():
+    root = out / f"sft-seed{seed}"
+    path = root / "model"
+    if (root / "eval_before.json").exists() and (path / "config.json").exists():
         return path
-    trainer = Trainer(cfg, out / f"sft-seed{seed}")
+    trainer = Trainer(cfg, root)
     trainer.setup()
     if cfg.sft.episodes_per_task > 0:
         trainer.log(f"[compare] warm start seed {seed}: {trainer.bundle.warm_start(cfg.sft, seed)}")
-    trainer.engine.close()
-    trainer.metrics.close()
+    try:
+        before = trainer.evaluate()
+    finally:
+        trainer.engine.close()
+        trainer.metrics.close()
     path.mkdir(parents=True, exist_ok=True)
     trainer.bundle.model.save_pretrained(path)
     trainer.bundle.tokenizer.save_pretrained(path)
+    tmp = root / "eval_before.json.tmp"
+    tmp.write_text(json.dumps(before.__dict__))
+    os.replace(tmp, root / "eval_before.json")  # last: its presence marks a finished warm start
+    trainer.log(f"[compare] seed {seed} held-out success before RL: {before.success:.3f}")
     return path
+
+
+def _train_method(config: str, overrides: list[str], run: Path, before_path: Path) -> dict:
+    """One method's run from the shared warm start (resumed if it has checkpoints)."""
+    from bpo.cluster.roles import run_trainer
+    from bpo.train import EvalResult, Trainer
+
+    cfg = load_config(config, overrides)
+    before = EvalResult(**json.loads(before_path.read_text()))
+    resume = (run / "checkpoints").exists()
+    return run_trainer(  # on a Ray cluster when the config's cluster section says so
+        cfg, str(run), resume,
+        lambda p: Trainer(cfg, run, resume=resume, placement=p, eval_before=before).run(),
+    )  # fmt: skip
+
+
+def _in_child(log: Path, threads: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` in a pool process: its output (file descriptors 1 and 2, so a sandbox's
+    subprocesses too) goes to ``log``, and torch gets ``threads`` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    return fn(*args)
+
+
+class _Jobs:
+    """Runs compare's jobs in this process (``jobs=1``: live progress, Ctrl-C as in ``bpo
+    train``) or in ``jobs`` fresh processes at once, each with ``cpu_count // jobs`` torch
+    threads and its output in a log file (the runs are independent: on a CPU machine, where a
+    tiny model's kernels do not use many cores well, two runs on one core each finish sooner
+    than two runs in a row on two). Ctrl-C reaches every child, which checkpoints and stops as
+    ``bpo train`` does; ``bpo compare`` then continues where they stopped."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
+        self.threads = max(1, (os.cpu_count() or 1) // jobs)
+        self.pool: Any = None
+        if jobs > 1:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))  # read at child start
+            self.pool = ProcessPoolExecutor(
+                jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=1
+            )
+
+    def map(self, calls: list[tuple[str, Path, Callable[..., Any], tuple]]) -> list[Any]:
+        """``calls``: (label, log file, function, args); results in order."""
+        if self.pool is None:
+            return [fn(*args) for _, _, fn, args in calls]
+        from concurrent.futures import as_completed
+
+        t0 = time.perf_counter()
+        futures = {}
+        for label, log, fn, args in calls:
+            futures[self.pool.submit(_in_child, log, self.threads, fn, *args)] = label
+            print(f"[compare] queued {label} (output: {log})")
+        results = {}
+        for done, fut in enumerate(as_completed(futures), 1):
+            results[fut] = fut.result()
+            print(f"[compare] finished {futures[fut]} ({done}/{len(futures)}, "
+                  f"{time.perf_counter() - t0:.0f}s)")  # fmt: skip
+        return [results[f] for f in futures]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
 
 
 def _variance_study(
@@ -121,6 +207,16 @@ def _updates_to_reach(rows: list[dict[str, Any]], target: float, key: str) -> fl
     return float(xs[hit[0]]) if hit else math.inf
 
 
+def _success_key(rows: list[dict[str, Any]]) -> str:
+    """The policy's own training success: one episode per root child (a tree's leaves
+    over-represent its branch points); runs logged before that metric existed have leaves only."""
+    return (
+        "rollout/episode_success"
+        if any("rollout/episode_success" in r for r in rows)
+        else ("rollout/success")
+    )
+
+
 def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int]) -> dict[str, Any]:
     """Read every run under ``out`` and compute the comparison (also writes summary.json)."""
     per: dict[str, Any] = {}
@@ -154,7 +250,7 @@ def summarize(out: Path, methods: Sequence[str], seeds: Sequence[int]) -> dict[s
         best = max(baselines, key=lambda m: per[m]["final_success"]["mean"])
         target = per[best]["final_success"]["mean"]
         for m in methods:
-            ups = [_updates_to_reach(rows, target, "rollout/success") for rows in curves[m]]
+            ups = [_updates_to_reach(rows, target, _success_key(rows)) for rows in curves[m]]
             per[m]["updates_to_best_baseline_success"] = float(np.median(ups))
         b, o = per["bpo"], per[best]
 
@@ -203,7 +299,7 @@ def _write_report(out: Path, summary: dict[str, Any], curves: dict[str, Any]) ->
         for x in ("learner/updates", "compute/generated_tokens", "compute/sandbox_steps",
                   "time/iteration_s"):  # fmt: skip
             name = f"success_vs_{x.split('/')[-1]}.png"
-            plot_curves(curves, x, "rollout/success", out / name)
+            plot_curves(curves, x, "rollout/episode_success", out / name)
             lines += [f"![success vs {x}]({name})", ""]
     (out / "report.md").write_text("\n".join(lines))
 
@@ -226,6 +322,16 @@ def _append_variance(out: Path, study: dict[str, Any]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def _default_jobs(cfg: Config) -> int:
+    import torch
+
+    device = cfg.policy.device
+    gpu = torch.cuda.is_available() if device == "auto" else not device.startswith("cpu")
+    if cfg.cluster.address or gpu:
+        return 1
+    return max(1, min(8, os.cpu_count() or 1))
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="bpo compare", description=__doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", help="dotted overrides applied to every method")
@@ -235,52 +341,69 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--unit", choices=("tokens", "steps", "leaves"), help="budget unit")
     ap.add_argument("--quick", action="store_true", help="a reduced run for CI (minutes)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="runs at once, each in its own process (default: one per CPU core, at "
+                         "most 8, on a CPU-only config; 1 when it uses a GPU or a Ray cluster)")  # fmt: skip
     ap.add_argument("--out", help="output directory (default: runs/compare-<time>)")
     ap.add_argument("--variance-batches", type=int, default=None,
                     help="batches per method for the gradient-variance study at the warm-started "
                          "policy of seed 0 (default 6; 3 with --quick; 0 = skip)")  # fmt: skip
     args = ap.parse_args(argv)
-    from bpo.cluster.roles import run_trainer
-    from bpo.train import Trainer, default_config_path
+    from bpo.train import default_config_path
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         print(f"bpo compare: unknown methods {unknown}; valid: {', '.join(METHODS)}")
         return 2
+    if args.jobs is not None and args.jobs < 1:
+        print(f"bpo compare: --jobs must be >= 1 (got {args.jobs})")
+        return 2
     common = (QUICK if args.quick else []) + list(args.overrides)
     if args.unit:
         common.append(f"budget.unit={args.unit}")
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     seeds = list(range(args.seeds))
+    config = str(args.config or default_config_path())
     t0 = time.perf_counter()
     try:
-        for seed in seeds:
-            base = load_config(args.config or default_config_path(), [*common, f"run.seed={seed}"])
-            model = _warm_start(base, out, seed)
-            for m in methods:
-                run = out / m / f"seed{seed}"
-                if (run / "summary.json").exists():
-                    continue  # finished earlier (compare is resumable)
-                cfg = load_config(
-                    args.config or default_config_path(),
-                    [*common, *METHODS[m], f"run.seed={seed}", f"policy.model={model}",
-                     "sft.episodes_per_task=0"],
-                )  # fmt: skip
-                print(f"[compare] {m} seed {seed} -> {run}")
-                resume = (run / "checkpoints").exists()
-                res = run_trainer(  # on a Ray cluster when the config's cluster section says so
-                    cfg, str(run), resume,
-                    lambda p, cfg=cfg, run=run, resume=resume: Trainer(
-                        cfg, run, resume=resume, placement=p
-                    ).run(),
-                )  # fmt: skip
-                if res.get("interrupted"):
-                    print("bpo compare: interrupted; run the same command to continue")
-                    return 0
+        bases = {s: load_config(config, [*common, f"run.seed={s}"]) for s in seeds}
+        for m in methods:  # every method's config is checked before any work
+            load_config(config, [*common, *METHODS[m]])
     except ConfigError as e:
         print(f"bpo compare: {e}")
         return 2
+    jobs = _Jobs(args.jobs or _default_jobs(bases[seeds[0]]))
+    try:
+        todo = [s for s in seeds if not (out / f"sft-seed{s}" / "eval_before.json").exists()]
+        jobs.map([(f"warm start seed {s}", out / f"sft-seed{s}" / "log.txt", _warm_start,
+                   (bases[s], out, s)) for s in todo])  # fmt: skip
+        calls = []
+        for s in seeds:
+            model = out / f"sft-seed{s}" / "model"
+            for m in methods:
+                run = out / m / f"seed{s}"
+                if (run / "summary.json").exists():
+                    continue  # finished earlier (compare is resumable)
+                over = [*common, *METHODS[m], f"run.seed={s}", f"policy.model={model}",
+                        "sft.episodes_per_task=0"]  # fmt: skip
+                before = out / f"sft-seed{s}" / "eval_before.json"
+                calls.append((f"{m} seed {s}", run / "log.txt", _train_method,
+                              (config, over, run, before)))  # fmt: skip
+        if jobs.pool is None:
+            for label, _, fn, a in calls:
+                print(f"[compare] {label} -> {a[2]}")
+                if fn(*a).get("interrupted"):
+                    print("bpo compare: interrupted; run the same command to continue")
+                    return 0
+        elif any(r.get("interrupted") for r in jobs.map(calls)):
+            print("bpo compare: interrupted; run the same command to continue")
+            return 0
+    except KeyboardInterrupt:
+        print("bpo compare: interrupted; run the same command to continue")
+        return 130
+    finally:
+        jobs.close()
     summary = summarize(out, methods, seeds)
     nvar = args.variance_batches if args.variance_batches is not None else (3 if args.quick else 6)
     if nvar > 0:
@@ -288,7 +411,7 @@ def main(argv: list[str]) -> int:
 
         def cfg_for(m: str) -> Config:
             return load_config(
-                args.config or default_config_path(),
+                config,
                 [*common, *METHODS[m], "run.seed=0", f"policy.model={model0}",
                  "sft.episodes_per_task=0"],
             )  # fmt: skip

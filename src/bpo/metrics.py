@@ -33,10 +33,17 @@ def tree_metrics(trees: Sequence[Tree], prefix: str = "") -> dict[str, float]:
     depths = [d for s in stats for d in s.branch_depths]
     ents = [e for s in stats for e in s.branch_entropies]
     # success and return in the sandbox's own rewards (without invalid-action penalties)
-    leaf_returns = np.concatenate([t.returns(shaped=False) for t in trees]) if trees else np.zeros(0)
+    leaf_returns = (
+        np.concatenate([t.returns(shaped=False) for t in trees]) if trees else np.zeros(0)
+    )
+    episodes = np.array([r for t in trees for r in _episode_returns(t)])
     out = {
+        # every leaf (the estimators' view) and one episode per root child (the policy's own
+        # success: branch leaves over-represent uncertain, often failing, states)
         "rollout/success": float(np.mean(leaf_returns > 0)) if len(leaf_returns) else 0.0,
         "rollout/return": float(np.mean(leaf_returns)) if len(leaf_returns) else 0.0,
+        "rollout/episode_success": float(np.mean(episodes > 0)) if len(episodes) else 0.0,
+        "rollout/episode_return": float(np.mean(episodes)) if len(episodes) else 0.0,
         "rollout/task_success": float(np.mean([s.success > 0 for s in stats])) if stats else 0.0,
         "tree/leaves": float(np.mean([s.leaves for s in stats])) if stats else 0.0,
         "tree/nodes": float(np.mean([s.nodes for s in stats])) if stats else 0.0,
@@ -61,6 +68,11 @@ def tree_metrics(trees: Sequence[Tree], prefix: str = "") -> dict[str, float]:
     if compute.wall_seconds > 0:
         out["snapshot/time_frac"] = compute.snapshot_seconds / compute.wall_seconds
     return {prefix + k: v for k, v in out.items()}
+
+
+def _episode_returns(tree: Tree) -> list[float]:
+    ret = dict(zip(tree.leaves(), tree.returns(shaped=False).tolist(), strict=True))
+    return [ret[leaf] for leaf in tree.episode_leaves()]
 
 
 class MetricsLogger:

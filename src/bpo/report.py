@@ -48,6 +48,7 @@ LABELS: dict[str, str] = {
     "compute/wall_seconds": "rollout wall time (s)",
     "time/iteration_s": "wall time (s)",
     "rollout/success": "success rate",
+    "rollout/episode_success": "success rate",
     "rollout/return": "mean return",
     "eval/success": "held-out success",
     "learner/grad_norm": "gradient norm (before clipping)",
@@ -314,7 +315,8 @@ def run_plots(run: RunData, out_dir: str | Path) -> list[Plot]:
     for name, x in _SUCCESS_AXES:
         x = wall if name == "wall time" else x
         success = {
-            "train rollouts": ("rollout/success", [rows]),
+            "train episodes": ("rollout/episode_success", [rows]),
+            "train leaves": ("rollout/success", [rows]),
             "held-out": ("eval/success", [held_out]),
         }
         ret = {"train rollouts": ("rollout/return", [rows])}
@@ -372,7 +374,8 @@ def summary_numbers(run: RunData) -> list[tuple[str, str]]:
         ("held-out success after RL", _fmt(after) + delta),
         ("iterations", _count(s.get("iterations", len(run.rows)))),
         ("policy updates", _count(s.get("policy_updates", run.last("learner/updates")))),
-        ("train success (last iteration)", _fmt(run.last("rollout/success"))),
+        ("train episode success (last iteration)", _fmt(run.last("rollout/episode_success"))),
+        ("train leaf success (last iteration)", _fmt(run.last("rollout/success"))),
         ("generated tokens", _count(run.total("compute/generated_tokens"))),
         ("sandbox steps", _count(run.total("compute/sandbox_steps"))),
         ("wall time (s)", _fmt(wall, 1)),

@@ -101,9 +101,12 @@ class Trainer:
         resume: bool = False,
         write: bool = True,
         placement: Placement | None = None,
+        eval_before: EvalResult | None = None,
     ) -> None:
         """``write=False`` opens an existing run read-only (for ``bpo eval``); ``placement``:
-        the Ray bundles of the run's roles (:func:`bpo.cluster.roles.run_trainer`)."""
+        the Ray bundles of the run's roles (:func:`bpo.cluster.roles.run_trainer`);
+        ``eval_before``: the held-out score of the starting policy when it is already known
+        (``bpo compare`` evaluates a shared warm start once), instead of evaluating it again."""
         self.cfg = cfg
         self.placement = placement
         self.pool: Any = None
@@ -118,6 +121,7 @@ class Trainer:
         self.dp = DataParallel.from_env()
         self.writes = write and (self.dp is None or self.dp.rank == 0)
         self.iteration = 0
+        self.eval_before = eval_before
         self.log: Callable[[str], None] = print if self.writes or not write else _quiet
 
     # -- setup ---------------------------------------------------------------------------------
@@ -445,7 +449,8 @@ class Trainer:
                     self.dp.broadcast_module(self.bundle.model)
                     self.bundle.sync_policy()
             self._set_reference()
-            self.eval_before = self.evaluate()
+            if self.eval_before is None:
+                self.eval_before = self.evaluate()
             self.log(f"[eval] held-out success before RL: {self.eval_before.success:.3f}")
             self.save()
         stop = {"flag": False}

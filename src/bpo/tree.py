@@ -150,6 +150,22 @@ class Tree:
     def leaves(self) -> list[int]:
         return [i for i, n in enumerate(self.nodes) if not n.children]
 
+    def episode_leaves(self) -> list[int]:
+        """The leaf of each root child's first-child path: one on-policy episode per root child.
+
+        A tree's leaves over-represent the states where it branched (forks are placed at
+        uncertain decisions, which are more often on failing paths), so their mean return is
+        not the policy's. Each node's first child is a sample of the policy at that state taken
+        before any outcome below it is known, whether or not siblings were forked later, so the
+        first-child path from a root child is an ordinary episode; for an independent group it
+        is every episode."""
+        out = []
+        for j in self.nodes[0].children if self.nodes else []:
+            while self.nodes[j].children:
+                j = self.nodes[j].children[0]
+            out.append(j)
+        return out
+
     def context(self, i: int) -> list[int]:
         """The full context (token ids) the policy saw when acting at node ``i``."""
         chain = []

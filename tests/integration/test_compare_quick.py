@@ -16,7 +16,7 @@ def test_compare_quick_writes_summary_with_curves_and_ratios(tmp_path):
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.run(
         [sys.executable, "-m", "bpo.cli", "compare", "--quick", "--seeds", "2",
-         "--variance-batches", "2", "--out", str(out)],
+         "--variance-batches", "2", "--jobs", "2", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -34,6 +34,15 @@ def test_compare_quick_writes_summary_with_curves_and_ratios(tmp_path):
     assert summary["ratios"]["best_baseline"] in methods[1:]
     for key in ("success", "grad_norm_var", "updates_to_match", "generated_tokens"):
         assert key in summary["ratios"]
+    # two runs at once, each in its own process writing its own log; the warm start's
+    # held-out score is computed once per seed and is every method's score before RL
+    assert "finished bpo seed 1" in proc.stdout
+    for s in (0, 1):
+        before = json.loads((out / f"sft-seed{s}" / "eval_before.json").read_text())
+        for m in methods:
+            run = out / m / f"seed{s}"
+            assert json.loads((run / "summary.json").read_text())["eval_before"] == before
+            assert "[iter 2/2]" in (run / "log.txt").read_text()
     study = summary["variance_study"]
     assert set(study) == set(methods)
     assert all(s["batches"] == 2 for s in study.values())

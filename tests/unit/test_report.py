@@ -143,7 +143,9 @@ def test_write_run_report_draws_every_figure_and_the_summary(tmp_path):
     assert "| held-out success after RL | 0.350 (+0.250) |" in text
     assert "| policy updates | 6 |" in text
     assert "| generated tokens | 36 |" in text
-    assert "| train success (last iteration) | 0.500 |" in text  # 2 of 4 leaves win
+    assert "| train leaf success (last iteration) | 0.500 |" in text  # 2 of 4 leaves win
+    # the winning leaf is each tree's first-child path: both episodes win
+    assert "| train episode success (last iteration) | 1 |" in text
     images = [
         line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")
     ]

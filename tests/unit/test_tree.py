@@ -70,6 +70,17 @@ def test_stats_and_returns():
     assert sorted(t.returns().tolist()) == [0.0, 1.0, 1.0]
 
 
+def test_episode_leaves_follow_first_children():
+    t, (a, b, c, d) = build()
+    assert t.episode_leaves() == [c, b]  # root child a continues to c (its first child), b ends
+    # the metric is the mean over those episodes, not over all leaves (1 and 2/3 here)
+    from bpo.metrics import tree_metrics
+
+    m = tree_metrics([t])
+    assert m["rollout/episode_success"] == pytest.approx(1.0)
+    assert m["rollout/success"] == pytest.approx(2 / 3)
+
+
 def test_terminal_nodes_cannot_grow_and_turn_lengths_checked():
     t, (_, b, _, _) = build()
     with pytest.raises(ValueError, match="terminal"):
