@@ -150,7 +150,10 @@ class Trainer:
             fc, inner = self.fault_config, self.train_factory
             self.train_factory = lambda: FaultInjector(inner(), fc)  # soak runs only
         self.train_tasks = self._tasks(s.train_split, s.num_train_tasks)
-        self.eval_tasks = self._tasks(s.eval_split, s.num_eval_tasks)
+        # held-out tasks never overlap the training tasks: from the training split they are
+        # the ones listed after them (unseen games of the same distribution)
+        skip = s.num_train_tasks if s.eval_split == s.train_split else 0
+        self.eval_tasks = self._tasks(s.eval_split, s.num_eval_tasks, skip)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.writes and not self.resume:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -278,19 +281,22 @@ class Trainer:
                 f"it with: pip install 'bpo[{s.name}]'"
             ) from None
 
-    def _tasks(self, split: str, n: int) -> list[str]:
+    def _tasks(self, split: str, n: int, skip: int = 0) -> list[str]:
         s = self.cfg.sandbox
         # ``n`` lets generating environments (textworld) make only the games needed; it is
         # passed only to task listers that take it (alfworld rejects unknown options)
-        extra = {"n": n} if "n" in inspect.signature(env_spec(s.name).tasks).parameters else {}
+        lister = env_spec(s.name).tasks
+        extra = {"n": skip + n} if "n" in inspect.signature(lister).parameters else {}
         try:
-            tasks = list(list_tasks(s.name, split, **extra, **s.options))[:n]
+            tasks = list(list_tasks(s.name, split, **extra, **s.options))[skip : skip + n]
         except (TypeError, ValueError) as e:
             raise ConfigError(f"sandbox {s.name!r}, split {split!r}: {e}") from None
         if not tasks:
+            after = f" after the {skip} training tasks" if skip else ""
             raise ConfigError(
-                f"sandbox {s.name!r} listed no tasks for split {split!r} with options "
-                f"{s.options}; check sandbox.train_split / sandbox.eval_split and sandbox.options"
+                f"sandbox {s.name!r} listed no tasks for split {split!r}{after} with options "
+                f"{s.options}; check sandbox.train_split / sandbox.eval_split, "
+                "sandbox.num_train_tasks and sandbox.options"
             )
         return tasks
 
