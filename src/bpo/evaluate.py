@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
         "success; the default is the run's eval settings, greedy unless it set others), and "
         "policy.device (evaluate a GPU run on a CPU)",
     )  # fmt: skip
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may follow the options
     try:
         run_dir, ckpt = _run_dir_of(Path(args.target))
         bad = [o for o in args.overrides if not o.startswith(("eval.", "policy.device="))]
