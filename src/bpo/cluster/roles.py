@@ -48,8 +48,10 @@ def connect(cfg: ClusterConfig) -> bool:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
         if cfg.address == "local":
-            ray.init(object_store_memory=cfg.object_store_mb * 2**20, include_dashboard=False,
-                     log_to_driver=True)  # fmt: skip
+            # "local", not None: a new Ray even when another one runs on this machine (None
+            # would join it, and refuse object_store_memory)
+            ray.init(address="local", object_store_memory=cfg.object_store_mb * 2**20,
+                     include_dashboard=False, log_to_driver=True)  # fmt: skip
         else:
             ray.init(address=cfg.address, log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as e:
