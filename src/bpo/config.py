@@ -223,8 +223,9 @@ class ClusterConfig:
     address ("auto", "HOST:6379", "ray://HOST:10001") of a running cluster, whose nodes have
     bpo installed and share the run directory's filesystem."""
     inference_engines: int = 0
-    """Ray actors that each hold a copy of the policy and serve the rollouts' sampling calls
-    (0 = the learner's model samples in this process)."""
+    """Ray actors that each hold a copy of the policy (transformers, or vLLM with
+    policy.backend=vllm: full weights, no LoRA) and serve the rollouts' sampling calls (0 = the
+    learner's model samples in this process)."""
     sandbox_actors: int = 0
     """Ray actors hosting the training rollouts' sandboxes (bpo.sandbox.pool; 0 = in this
     process). Evaluation sandboxes stay in the trainer's process."""
@@ -497,10 +498,16 @@ def _validate_names(cfg: Config) -> None:
 def _validate_combinations(cfg: Config) -> None:
     """Settings that are valid alone but not together."""
     c, p = cfg.cluster, cfg.policy
-    if p.backend == "vllm" and (c.inference_engines or cfg.run.max_staleness):
+    if p.backend == "vllm" and cfg.run.max_staleness and not c.inference_engines:
         raise ConfigError(
-            "cluster.inference_engines and run.max_staleness > 0 work with policy.backend=hf; "
-            "with vllm, one vLLM engine serves the rollouts in the trainer's process and "
-            "samples synchronously (set cluster.inference_engines=0 and run.max_staleness=0, "
-            "or policy.backend=hf)"
+            "run.max_staleness > 0 with policy.backend=vllm needs cluster.inference_engines "
+            "> 0 (vLLM engines as Ray actors); the in-process asynchronous sampler is a "
+            "transformers copy (set cluster.inference_engines, run.max_staleness=0, or "
+            "policy.backend=hf)"
+        )
+    if p.backend == "vllm" and c.inference_engines and p.lora_rank:
+        raise ConfigError(
+            "cluster.inference_engines with policy.backend=vllm syncs full weights; "
+            "policy.lora_rank > 0 is synced to vLLM as an adapter only by the trainer's own "
+            "engine (set cluster.inference_engines=0, policy.lora_rank=0, or policy.backend=hf)"
         )

@@ -207,9 +207,11 @@ class Trainer:
         if self.placement is not None and self.placement.engines:
             from bpo.cluster.roles import EngineGroup
 
+            p = cfg.policy
             self.engines = EngineGroup(
                 self.placement, b.model, b.policy.tokenizer, b.policy.stop_token_ids,
-                cfg.run.seed, cfg.policy.cache_tokens, cfg.cluster.routing,
+                cfg.run.seed, p.cache_tokens, cfg.cluster.routing, backend=p.backend,
+                max_model_len=p.max_context_tokens + p.max_new_tokens,
             )  # fmt: skip
             self._write_cluster_info()
             return self.engines

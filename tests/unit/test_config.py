@@ -51,3 +51,13 @@ def test_missing_and_bad_files(tmp_path):
 def test_non_finite_numbers_are_rejected(value):
     with pytest.raises(ConfigError, match=r"learner\.lr must be a finite number"):
         load_config(None, [f"learner.lr={value}"])
+
+
+def test_vllm_engines_as_ray_actors_take_full_weights():
+    ray = ["policy.backend=vllm", "cluster.address=local", "cluster.inference_engines=2"]
+    cfg = load_config(None, [*ray, "run.max_staleness=1"])
+    assert cfg.cluster.inference_engines == 2
+    with pytest.raises(ConfigError, match=r"needs cluster\.inference_engines > 0"):
+        load_config(None, ["policy.backend=vllm", "run.max_staleness=1"])
+    with pytest.raises(ConfigError, match=r"policy\.lora_rank > 0"):
+        load_config(None, [*ray, "policy.lora_rank=4"])

@@ -8,9 +8,10 @@ bundle:
 
 * the **learner**: the whole trainer (rollout loop, learner, checkpoints, evaluation) runs in a
   Ray actor in bundle 0, e.g. on the node with the GPU (:func:`run_trainer`);
-* **inference engines**: actors that each hold a copy of the policy and serve the sampling
-  calls, routed by prefix (:mod:`bpo.cluster.routing`), their weights set by the learner
-  between batches (:class:`EngineGroup`);
+* **inference engines**: actors that each hold a copy of the policy (transformers or vLLM, as
+  ``policy.backend`` says) and serve the sampling calls, routed by prefix
+  (:mod:`bpo.cluster.routing`), their weights set by the learner between batches
+  (:class:`EngineGroup`);
 * **sandbox actors**: the hosts of the training rollouts' sandboxes
   (:class:`bpo.sandbox.pool.SandboxPool`).
 
@@ -152,27 +153,45 @@ def node_id() -> str:
 
 
 class _InferenceEngine:
-    """An actor holding one copy of the policy (transformers backend) with its prefix cache."""
+    """An actor holding one copy of the policy with its prefix cache: the transformers model
+    itself (``backend="hf"``), or a vLLM engine in the actor's process (``"vllm"``, see
+    :func:`_vllm_policy`)."""
 
-    def __init__(
-        self, model: torch.nn.Module, tokenizer: Any, seed: int, cache_tokens: int
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, seed: int, cache_tokens: int,
+                 backend: str = "hf", stop_token_ids: Sequence[int] | None = None,
+                 max_model_len: int | None = None) -> None:  # fmt: skip
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.version = -1
+        self.backend = backend
+        if backend == "vllm":
+            # the names the engine's model has: the learner's state also holds the value head
+            self.names = set(model.state_dict())
+            # and the tied ones it lacks (lm_head.weight of a model that ties its embeddings):
+            # vLLM's reload needs every checkpoint tensor, or the logits are wrong (1.4 nats)
+            first = {id(p): n for n, p in model.named_parameters()}
+            self.tied = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+                         if first[id(p)] != n}  # fmt: skip
+            self.policy: Any = _vllm_policy(model, tokenizer, seed, stop_token_ids, max_model_len)
+            return
         from bpo.policy.hf import HFPolicy
 
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # the GPU Ray gave this actor (engine_resources with GPU), else the CPU
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = model.to(device).eval().requires_grad_(False)
         self.policy = HFPolicy(model, tokenizer, seed=seed, cache_budget_tokens=cache_tokens)
-        self.version = -1
 
     def set_weights(self, version: int, state: dict[str, torch.Tensor]) -> int:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, value in state.items():
-                if name in params:  # the value head (PPO) lives on the learner's model only
-                    params[name].copy_(value)
-        self.policy.clear_cache()
+        if self.backend == "vllm":  # in place, in memory; drops the prefix cache
+            weights = {k: v for k, v in state.items() if k in self.names}
+            weights.update({k: weights[v] for k, v in self.tied.items() if v in weights})
+            self.policy.update_weights(weights)
+        else:
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, value in state.items():
+                    if name in params:  # the value head (PPO) lives on the learner's model only
+                        params[name].copy_(value)
+            self.policy.clear_cache()
         self.version = version
         return version
 
@@ -194,6 +213,33 @@ class _InferenceEngine:
         return {"node": node_id(), "pid": os.getpid(), "threads": torch.get_num_threads()}
 
 
+def _vllm_policy(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    seed: int,
+    stop_token_ids: Sequence[int] | None,
+    max_model_len: int | None,
+) -> Any:
+    """A :class:`bpo.policy.vllm.VLLMPolicy` over ``model`` (received through the object
+    store). vLLM builds its engine from a model directory only, so the model is written to a
+    temporary directory on the actor's node and removed once the engine has read it: weight
+    updates then arrive in memory (``update_weights``), nothing is read from the run directory,
+    and a killed engine leaves no files behind. Full weights only: the learner's state must
+    hold every parameter (LoRA runs are refused by the config check)."""
+    import tempfile
+
+    from bpo.policy.vllm import VLLMPolicy
+
+    if hasattr(model, "peft_config"):
+        raise ValueError("vLLM inference engines take full weights, not LoRA adapters")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    with tempfile.TemporaryDirectory(prefix="bpo-vllm-engine-") as path:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return VLLMPolicy(path, tokenizer, dtype=dtype, seed=seed, stop_token_ids=stop_token_ids,
+                          max_model_len=max_model_len)  # fmt: skip
+
+
 def _ray_call(calls: list[tuple[Any, str, tuple]]) -> list[Any]:
     """Submit every ``actor.method(*args)`` at once, then wait for all of them."""
     import ray
@@ -208,13 +254,18 @@ class EngineGroup:
     An engine that dies (killed, out of memory, its node lost) is started again in its bundle
     with the current weights, and the call that met the death is made again, once (a sampling
     call re-samples the turn's whole batch; a second failure reaches the rollout engine, which
-    retries the batch itself). Restarts are counted in :attr:`restarts`."""
+    retries the batch itself). Restarts are counted in :attr:`restarts`.
+
+    ``backend`` is the engines' (``policy.backend``): "hf" samples with the transformers model
+    (``cache_tokens`` of prefix cache), "vllm" with a vLLM engine per actor (contexts up to
+    ``max_model_len`` tokens); both take the learner's weights in memory."""
 
     needs_state = True
 
     def __init__(self, placement: Placement, model: torch.nn.Module, tokenizer: Any,
                  stop_token_ids: Sequence[int], seed: int, cache_tokens: int,
-                 routing: str) -> None:  # fmt: skip
+                 routing: str, backend: str = "hf",
+                 max_model_len: int | None = None) -> None:  # fmt: skip
         import ray
 
         from bpo.cluster.routing import RoutedPolicy
@@ -225,6 +276,7 @@ class EngineGroup:
         self._model = ray.put(model)  # once in the object store, fetched by each engine's node
         self._placement, self._tokenizer = placement, tokenizer
         self._seed, self._cache_tokens = seed, cache_tokens
+        self._backend = (backend, tuple(stop_token_ids), max_model_len)
         self._weights: Any = None
         self.restarts = 0
         self.actors = [self._start(i) for i in range(len(placement.engines))]
@@ -237,7 +289,7 @@ class EngineGroup:
         opts = self._placement.options(self._placement.engines[i])
         seed = self._seed + 1 + i + 1000 * self.restarts
         return self._remote.options(**opts).remote(self._model, self._tokenizer, seed,
-                                                   self._cache_tokens)  # fmt: skip
+                                                   self._cache_tokens, *self._backend)  # fmt: skip
 
     def _call(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
         from ray.exceptions import RayActorError
