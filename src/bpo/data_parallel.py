@@ -19,18 +19,42 @@ The gradients are all-reduced explicitly after accumulation instead of by wrappi
 of synchronised backward passes through the wrapper's ``forward``, while here the number of row
 chunks differs between ranks (and is zero on a rank without trees), and the value head is applied
 outside the model's forward.
+
+FSDP (``learner.parallel=fsdp``, torch's FSDP2 ``fully_shard``): the learner trains a sharded
+copy of the model (:meth:`DataParallel.fully_shard`: each decoder layer and the root; parameters,
+gradients and AdamW states split over the ranks), and the update is the same one: the sharding
+of trees and the global normalisers are unchanged, and FSDP's reduce-scatter sums the ranks'
+gradients (a SUM, not FSDP's default average) into each rank's shard, so ``sum_grads`` does not
+run. Its all-gathers and reduce-scatters are collectives issued by each forward and backward, so
+every rank runs as many passes per minibatch as the rank with the most row chunks; the others
+add idle passes of zero loss. Clipping takes the norm of the whole gradient across the shards.
+The whole model stays on every rank for sampling (rollouts need all of it, and the replicas of
+the DDP path are kept as they are): the learner copies its weights into the shards before each
+update (local, no communication; a warm start or a resumed checkpoint may have changed them)
+and gathers the new ones back after it. So FSDP here saves the memory of the gradients and of
+AdamW's two moments (3x the parameters, divided by the world size) at the cost of one extra
+sharded parameter copy; it does not shard the parameters that sample. Checkpoints hold the
+optimizer state whole, gathered onto rank 0, in ``optimizer.state_dict()``'s layout, so a run
+resumes with either strategy from the other's checkpoints.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel"]
+__all__ = [
+    "DataParallel",
+    "full_optimizer_state",
+    "gather_shards",
+    "load_full_optimizer_state",
+    "load_shards",
+]
 
 
 @dataclass(frozen=True)
@@ -99,6 +123,13 @@ class DataParallel:
         dist.all_gather_object(parts, items, group=self.group)
         return [x for part in parts for x in part]
 
+    def max(self, values: np.ndarray | list[float]) -> np.ndarray:
+        """Element-wise maximum over ranks, in float64."""
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor(np.asarray(values, dtype=np.float64), device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.cpu().numpy()
+
     def any(self, flag: bool) -> bool:
         """True on every rank when it is True on any (e.g. a Ctrl-C one rank received)."""
         return bool(self.sum([float(flag)])[0] > 0)
@@ -118,3 +149,113 @@ class DataParallel:
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t.data, src=src, group=self.group)
+
+    # -- FSDP (learner.parallel=fsdp) ----------------------------------------------------------
+    def fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model``, sharded in place with FSDP2 over the ranks: each decoder layer (the classes
+        a transformers model names in ``_no_split_modules``, the unit accelerate shards too) and
+        the root, parameters as DTensors sharded on dim 0.
+
+        Gradients are reduce-scattered as plain SUMs: FSDP averages over ranks by default, but
+        each rank's loss here is its share of a global sum (module docstring). A divide factor
+        of 1 alone would make FSDP use ``PREMUL_SUM(1)``, which gloo lacks; forcing sum-only
+        collectives with a factor of 1 gives ``ReduceOp.SUM`` and no division on gloo and NCCL
+        alike (scaling the loss by the world size instead would round differently from DDP)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, device)
+        layers = {n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or ()}
+        for m in list(model.modules()):
+            if type(m).__name__ in layers:
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+                m.set_gradient_divide_factor(1.0)
+        return model
+
+
+def load_shards(sharded: list[torch.Tensor], full: list[torch.Tensor]) -> None:
+    """Each rank's shard of every full tensor into the matching FSDP parameter: a local copy,
+    no communication (every rank holds the same full tensors)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.no_grad():
+        for s, f in zip(sharded, full, strict=True):
+            s.copy_(distribute_tensor(f.detach(), s.device_mesh, s.placements, src_data_rank=None))
+
+
+def gather_shards(sharded: list[torch.Tensor], full: list[torch.Tensor]) -> None:
+    """The whole of every FSDP parameter into the matching full tensor, on every rank (one
+    all-gather per parameter, in the same order on every rank)."""
+    with torch.no_grad():
+        for s, f in zip(sharded, full, strict=True):
+            f.copy_(s.full_tensor())
+
+
+def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the optimizer's parameters, in its order (the indices of its state dict)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def full_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The optimizer state of an FSDP model, whole, on CPU and in ``optimizer.state_dict()``'s
+    layout (parameters by index), so that an FSDP checkpoint loads without FSDP and back. A
+    collective: every rank calls it; rank 0 gets the state, the others ``{}``.
+
+    Before the first step it is ``optimizer.state_dict()`` on every rank: the state is empty
+    (on every rank alike), and ``get_optimizer_state_dict`` would fill it by a step of zero
+    gradients at lr 0, which counts a step and so changes AdamW's bias correction of every
+    later one (the parameters after the first update then differ by ~0.26 lr)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    if not optimizer.state:
+        return optimizer.state_dict()
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    by_name = get_optimizer_state_dict(model, optimizer, options=opts)
+    if not by_name:
+        return {}
+    index = {n: i for i, n in enumerate(_param_names(model, optimizer))}
+    return {
+        "state": {index[n]: s for n, s in by_name["state"].items()},
+        "param_groups": [
+            {**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]
+        ],
+    }
+
+
+def load_full_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Load a whole optimizer state (``optimizer.state_dict()``'s layout, as written by
+    :func:`full_optimizer_state` or by a run without FSDP) into the optimizer of an FSDP model;
+    every rank calls it with the same state and keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not state["state"]:  # before the first step: nothing to shard, and no step to count
+        optimizer.load_state_dict(state)
+        return
+    names = _param_names(model, optimizer)
+    by_name = {
+        "state": {names[i]: s for i, s in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+    opts = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, by_name, options=opts)
+    # it first fills the state by a zero step (see full_optimizer_state): a parameter without
+    # state in the checkpoint (never stepped) keeps none, as with ``optimizer.load_state_dict``;
+    # and it turns tuples (AdamW's betas) into lists: the groups' settings as given
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for name, p in zip(names, params, strict=True):
+        if name not in by_name["state"]:
+            optimizer.state.pop(p, None)
+    for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})

@@ -27,11 +27,15 @@ gradients summed over ranks before clipping, so that every rank takes the single
     learner = Learner(model, LearnerConfig(...), data_parallel=dp)
     metrics = learner.update(trees)  # the same trees on every rank; metrics are global
 
-``bpo train`` is not wired to it yet (it runs one process), and FSDP is not supported.
+With ``LearnerConfig.parallel = "fsdp"`` the learner trains an FSDP2-sharded copy of the model
+instead of the replica itself (parameters, gradients and AdamW states sharded; the same update;
+the whole model, which samples, takes the new weights after every update). ``bpo train`` under
+torchrun builds the learner this way (``learner.parallel=fsdp``).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Sequence
@@ -42,12 +46,20 @@ import numpy as np
 import torch
 
 from bpo import estimators
-from bpo.data_parallel import DataParallel
+from bpo.data_parallel import (
+    DataParallel,
+    full_optimizer_state,
+    gather_shards,
+    load_full_optimizer_state,
+    load_shards,
+)
 from bpo.losses import AGGREGATIONS, policy_loss
 from bpo.packing import Packed, attention_pair_cost, choose_layout, pack_forest, pack_paths
 from bpo.tree import Tree
 
 __all__ = ["Learner", "LearnerConfig", "model_device", "row_chunks", "token_logprobs"]
+
+PARALLEL = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,11 @@ class LearnerConfig:
     """PPO only: discount over turns for GAE."""
     gae_lambda: float = 0.95
     """PPO only: GAE's lambda (Schulman et al. 2016)."""
+    parallel: str = "ddp"
+    """Data-parallel strategy under torchrun (WORLD_SIZE > 1; ignored in one process): "ddp"
+    (a full replica per rank, gradients all-reduced) or "fsdp" (the learner trains an FSDP2
+    copy of the model: parameters, gradients and AdamW states sharded over the ranks; the same
+    update; ``bpo.data_parallel``)."""
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
@@ -98,6 +115,8 @@ class LearnerConfig:
             )
         if self.layout not in ("auto", "forest", "paths"):
             raise ValueError(f"unknown layout {self.layout!r}; valid: auto, forest, paths")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"unknown parallel {self.parallel!r}; valid: {', '.join(PARALLEL)}")
         if self.warmup_updates < 0:
             raise ValueError(f"warmup_updates must be >= 0, got {self.warmup_updates}")
         if self.epochs < 1 or self.minibatches < 1:
@@ -182,7 +201,12 @@ class Learner:
         """``critic=True`` adds a value head (a zero-initialised linear layer on the last hidden
         state at each turn's context end, registered on the model as ``value_head`` so that it is
         checkpointed with it) for PPO. ``data_parallel`` shards every minibatch over its ranks
-        (module docstring); the models are first broadcast from its rank 0."""
+        (module docstring); the models are first broadcast from its rank 0.
+
+        With ``config.parallel == "fsdp"`` (and ``data_parallel``), ``model`` stays whole and
+        keeps sampling: the learner trains an FSDP-sharded copy of it (``self.model``), takes
+        ``model``'s trainable weights at the start of every update (a warm start or a resumed
+        checkpoint may have changed them) and writes the new ones back at the end."""
         if config.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model (ref_model)")
         self.device = model_device(model)
@@ -202,13 +226,22 @@ class Learner:
             if ref_model is not None:
                 data_parallel.broadcast_module(ref_model)
         self.critic = critic
-        self.model = model
+        self.full_model = model
+        """The whole model, on every rank: the one the caller passed in (sampling reads it)."""
+        self.fsdp = data_parallel is not None and config.parallel == "fsdp"
+        self.model = data_parallel.fully_shard(copy.deepcopy(model)) if self.fsdp else model
+        """The model the optimizer trains: ``full_model`` itself, or its FSDP-sharded copy."""
         self.ref_model = ref_model
         self.config = config
         self.pad_id = pad_id
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters")
+        if self.fsdp:  # the whole model's parameter for each sharded one, in the same order
+            full = dict(model.named_parameters())
+            self._full_params = [
+                full[n] for n, p in self.model.named_parameters() if p.requires_grad
+            ]
         self.optimizer = torch.optim.AdamW(
             params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -233,14 +266,17 @@ class Learner:
         self, trees: Sequence[Tree], packed: Packed
     ) -> tuple[list[estimators.EdgeAdvantages], list[np.ndarray]]:
         """PPO: the value head's V(s) at every acting state (no grad), then GAE over turns.
-        Returns (advantage and tree weight per edge, return targets per node) per tree."""
+        Returns (advantage and tree weight per edge, return targets per node) per tree.
+
+        Computed with ``full_model`` (the weights of the sharded copy at this point): a forward
+        through an FSDP model is a collective, and ranks have different numbers of chunks."""
         values = [np.zeros(len(t)) for t in trees]
         a = packed.actions
         with torch.no_grad():
             for rows in row_chunks(packed, self.config.max_row_tokens):
                 hid: list[torch.Tensor] = []
-                _, _, sel = token_logprobs(self.model, packed, rows, hidden=hid)
-                v = self.model.value_head(hid[0]).squeeze(-1).float().cpu().numpy()  # [A]
+                _, _, sel = token_logprobs(self.full_model, packed, rows, hidden=hid)
+                v = self.full_model.value_head(hid[0]).squeeze(-1).float().cpu().numpy()  # [A]
                 for k, s_ in enumerate(sel):
                     t, node = packed.edges[a.edge[s_]]
                     values[t][trees[t].nodes[node].parent] = v[k]  # same for every token of e
@@ -328,6 +364,8 @@ class Learner:
         """One iteration: ``epochs * minibatches`` optimizer steps on these trees."""
         cfg = self.config
         t_start = time.perf_counter()
+        if self.fsdp:  # between updates the whole model's weights are the truth
+            load_shards(self._params(), self._full_params)
         batches, terms = self._prepare(trees, estimator, estimator_options, cfg.minibatches)
         logs: dict[str, list[float]] = {}
         self.model.train()
@@ -335,6 +373,8 @@ class Learner:
             for packed, tt in batches:
                 for k, v in self._step(packed, tt).items():
                     logs.setdefault(k, []).append(v)
+        if self.fsdp:
+            gather_shards(self._params(), self._full_params)
         adv_all = np.concatenate([np.zeros(0)] + [t.advantage[1:] for t in terms if t is not None])
         tokens = [p.computed_tokens for p, _ in batches if p is not None]
         counts = np.array(
@@ -377,17 +417,24 @@ class Learner:
     ) -> torch.Tensor:
         """The policy-gradient estimate of one batch (all trainable parameters, flattened),
         without an optimizer step: for estimator-variance studies at a fixed policy."""
+        if self.fsdp:
+            load_shards(self._params(), self._full_params)
         batches, _ = self._prepare(trees, estimator, estimator_options, 1)
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         for packed, tt in batches:
             self._accumulate(packed, tt)
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if self.dp is not None:
+        params = self._params()
+        if self.dp is not None and not self.fsdp:
             self.dp.sum_grads(params)
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
+        grads = [p.grad for p in params]
+        if self.fsdp:  # sharded DTensors: the whole gradient on every rank
+            grads = [g.full_tensor() if g is not None else None for g in grads]
+        whole = [
+            g if g is not None else torch.zeros(p.shape, dtype=p.dtype, device=self.device)
+            for p, g in zip(params, grads, strict=True)
+        ]  # p.shape: the whole parameter's, also of a DTensor
+        flat = torch.cat([g.reshape(-1) for g in whole])
         self.optimizer.zero_grad(set_to_none=True)
         return flat.detach()
 
@@ -431,7 +478,38 @@ class Learner:
                 terms[i] = term
             tt = self._token_terms(packed, sub, sub_terms, targets, num_trees=len(chunk))
             batches.append((packed, tt))
+        passes = [len(self._chunks(p)) if p is not None else 0 for p, _ in batches]
+        if self.fsdp:  # FSDP's all-gathers and reduce-scatters are collectives: every rank runs
+            # as many forward/backward passes as the rank with the most row chunks
+            passes = self.dp.max(passes).tolist()
+        for (_, tt), n in zip(batches, passes, strict=True):
+            tt["passes"] = torch.tensor(int(n))
         return batches, terms
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        """The optimizer's parameters (of ``self.model``), in its order."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _chunks(self, packed: Packed) -> list[slice]:
+        """The row chunks of a packed minibatch that hold action tokens (one without any would
+        add nothing to the loss)."""
+        row = packed.actions.row
+        chunks = row_chunks(packed, self.config.max_row_tokens)
+        return [c for c in chunks if np.any((row >= c.start) & (row < c.stop))]
+
+    def _idle_pass(self) -> None:
+        """FSDP lockstep: a forward and backward of zero loss through the sharded model, for a
+        rank with fewer row chunks than another in this minibatch (or none). It uses every
+        parameter a real pass uses (the value head too), so that every rank reduce-scatters
+        the same set of gradients; they add zero."""
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)  # [1, 1]
+        out = self.model(
+            input_ids=ids, use_cache=False, output_hidden_states=self.critic, logits_to_keep=1
+        )
+        loss = out.logits.float().sum()
+        if self.critic:
+            loss = loss + self.model.value_head(out.hidden_states[-1]).float().sum()
+        (loss * 0.0).backward()
 
     def _accumulate(self, packed: Packed | None, tt: dict[str, torch.Tensor]) -> dict[str, float]:
         """Forward and backward of the loss over a packed minibatch (gradients accumulate);
@@ -442,11 +520,10 @@ class Learner:
             sums["loss/value"] = 0.0
         clip_n = ratio_s = kl_old = 0.0
         n_tok = max(float(tt["n_tok"]), 1.0)
-        for rows in row_chunks(packed, cfg.max_row_tokens) if packed is not None else []:
+        chunks = self._chunks(packed) if packed is not None else []
+        for rows in chunks:
             hid: list[torch.Tensor] | None = [] if self.critic else None
             logp, ent, sel = token_logprobs(self.model, packed, rows, cfg.temperature, hid)
-            if len(sel) == 0:
-                continue
             idx = torch.as_tensor(sel, device=self.device)  # [A]
             ref = None
             if self.ref_model is not None and cfg.kl_coef > 0:
@@ -473,6 +550,8 @@ class Learner:
             clip_n += out.clip_frac.item() * frac
             ratio_s += out.ratio_mean.item() * frac
             kl_old += out.approx_kl_old.item() * frac
+        for _ in range(int(tt["passes"]) - len(chunks)):
+            self._idle_pass()
         return {
             **sums,
             "learner/clip_frac": clip_n,
@@ -480,19 +559,42 @@ class Learner:
             "learner/approx_kl_old": kl_old,
         }
 
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state for a checkpoint, in ``optimizer.state_dict()``'s layout
+        whatever the strategy. Under FSDP a collective (every rank calls it) whose result is
+        whole, on the CPU, on rank 0 only (``{}`` elsewhere)."""
+        if self.fsdp:
+            return full_optimizer_state(self.model, self.optimizer)
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Load :meth:`optimizer_state`'s result (of a run with or without FSDP); under FSDP
+        every rank calls it with the whole state and keeps its shard."""
+        if self.fsdp:
+            load_full_optimizer_state(self.model, self.optimizer, state)
+        else:
+            self.optimizer.load_state_dict(state)
+
     def _step(self, packed: Packed | None, tt: dict[str, torch.Tensor]) -> dict[str, float]:
         """Phase 3: one optimizer step; a non-finite loss or gradient never reaches the weights.
-        Under data parallelism the gradients and loss sums are summed over ranks first, so that
-        every rank clips, checks and steps on the same numbers."""
+        Under data parallelism the gradients and loss sums are summed over ranks first (by FSDP's
+        reduce-scatter, into each rank's shard, under fsdp), so that every rank clips, checks
+        and steps on the same numbers."""
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate(packed, tt)
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if self.dp is not None:
+        params = self._params()
+        if self.dp is not None and not self.fsdp:
             self.dp.sum_grads(params)
-            sums = dict(zip(sums, self.dp.sum(list(sums.values())).tolist(), strict=True))
-        norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-        finite = math.isfinite(norm) and math.isfinite(sums["loss/total"])
+        norm_t = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        # FSDP: a DTensor, the norm of the whole gradient (the shards' norms all-reduced)
+        norm = float(norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t)
+        finite = math.isfinite(norm)
+        if self.dp is not None:  # the norm's flag travels with the loss sums: one decision
+            totals = self.dp.sum([*sums.values(), float(not finite)]).tolist()
+            sums = dict(zip(sums, totals[:-1], strict=True))
+            finite = totals[-1] == 0
+        finite = finite and math.isfinite(sums["loss/total"])
         if finite:
             scale = min(1.0, (self.updates + 1) / cfg.warmup_updates) if cfg.warmup_updates else 1
             for group in self.optimizer.param_groups:

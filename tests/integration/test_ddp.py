@@ -51,20 +51,25 @@ COMPARED = (
 tiny = tiny_causal_lm
 
 
-def run_scenarios(dp: DataParallel | None) -> dict[str, dict]:
+def run_scenarios(dp: DataParallel | None, parallel: str = "ddp") -> dict[str, dict]:
     """Every scenario from the same initial model (seed 0 on every rank): the gradient at the
-    start, then one ``update``; parameters and metrics after it."""
+    start, then one ``update``; parameters (of the whole model, the one that samples),
+    metrics and optimizer state after it."""
     out = {}
     for name, (n, kw, estimator, critic) in SCENARIOS.items():
         rng = np.random.default_rng(7)
         trees = [random_tree(rng, prefix=int(rng.integers(4, 16))) for _ in range(n)]
-        cfg = LearnerConfig(lr=1e-3, **{"max_grad_norm": 1e9, **kw})
+        cfg = LearnerConfig(lr=1e-3, parallel=parallel, **{"max_grad_norm": 1e9, **kw})
         learner = Learner(tiny(), cfg, critic=critic, data_parallel=dp)
+        learner.optimizer_state()  # as the trainer's checkpoint of iteration 0: changes nothing
         grad = learner.gradient(trees, estimator) if estimator != "ppo" else None
         metrics = learner.update(trees, estimator)
-        params = [p.detach().clone() for p in learner.model.parameters()]
+        params = [p.detach().clone() for p in learner.full_model.parameters()]
         no_grad = [k for k, p in learner.model.named_parameters() if p.grad is None]
-        out[name] = {"grad": grad, "metrics": metrics, "params": params, "no_grad": no_grad}
+        optim = learner.optimizer_state()
+        out[name] = {
+            "grad": grad, "metrics": metrics, "params": params, "no_grad": no_grad, "optim": optim,
+        }  # fmt: skip
     return out
 
 
@@ -115,7 +120,12 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_two_ranks_take_the_single_process_update(runs, name):
     single, ranks = runs
-    ref = single[name]
+    assert_single_process_update(single[name], ranks, name)
+
+
+def assert_single_process_update(ref: dict, ranks: list[dict], name: str) -> None:
+    """Every rank's gradient, parameters and metrics after scenario ``name`` match the
+    single-process run's ``ref``, the replicas are identical, and the update moved them."""
     if name == "even_tree_clipped":
         assert ref["metrics"]["learner/grad_norm"] > 0.01  # so clipping is exercised
     for got in (r[name] for r in ranks):
