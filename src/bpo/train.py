@@ -252,11 +252,11 @@ class Trainer:
                 raise ConfigError(f"--resume {d}: its config.yaml does not load: {e}") from None
             now = to_dict(self.cfg)
             # where the run computes may change (a GPU run continued on a CPU, another
-            # cluster); what it computes may not
+            # cluster, DDP or FSDP: their checkpoints share one layout); what it computes may not
             diff = [
                 f"{s}.{k}" for s in now for k in now[s]
                 if saved.get(s, {}).get(k) != now[s][k] and s != "cluster"
-                and f"{s}.{k}" != "policy.device"
+                and f"{s}.{k}" not in ("policy.device", "learner.parallel")
             ]  # fmt: skip
             if diff:
                 raise ConfigError(
@@ -348,7 +348,9 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self) -> Path | None:
-        """A checkpoint of the iteration (rank 0 writes it; the replicas are equal)."""
+        """A checkpoint of the iteration (rank 0 writes it; the replicas are equal). Every rank
+        calls it: under FSDP the optimizer state is first gathered whole onto rank 0."""
+        optimizer = self.learner.optimizer_state()
         if not self.writes:
             self.saved_at = self.iteration
             return None
@@ -369,7 +371,7 @@ class Trainer:
         }
         path = save_checkpoint(
             self.run_dir / "checkpoints", self.iteration, self.bundle.trainable_state(),
-            self.learner.optimizer.state_dict(), state,
+            optimizer, state,
         )  # fmt: skip
         self.saved_at = self.iteration
         return path
@@ -382,7 +384,7 @@ class Trainer:
         for msg in ck.skipped:
             self.log(f"[resume] skipped {msg}")
         self.bundle.load_trainable_state(ck.weights)
-        self.learner.optimizer.load_state_dict(ck.optimizer)
+        self.learner.load_optimizer_state(ck.optimizer)
         st = ck.state
         self.iteration = int(st["iteration"])
         self.learner.updates = int(st["updates"])
