@@ -351,6 +351,13 @@ class Trainer:
         """A checkpoint of the iteration (rank 0 writes it; the replicas are equal). Every rank
         calls it: under FSDP the optimizer state is first gathered whole onto rank 0."""
         optimizer = self.learner.optimizer_state()
+        # what differs between ranks: each samples its own share of the tasks with its own
+        # stream and calibrates its own budget cost model from its own trees
+        mine = {
+            "policy_rng": self.bundle.policy_rng_state(),
+            "costs": self.engine.costs.state_dict(),
+        }
+        ranks = self.dp.gather([mine]) if self.dp is not None else [mine]
         if not self.writes:
             self.saved_at = self.iteration
             return None
@@ -367,6 +374,7 @@ class Trainer:
             "rule": self.rule,
             "costs": self.engine.costs.state_dict(),
             "policy_rng": self.bundle.policy_rng_state(),
+            "ranks": ranks,
             "eval_before": getattr(self, "eval_before", None),
         }
         path = save_checkpoint(
@@ -406,7 +414,12 @@ class Trainer:
         self.saved_at = self.iteration
         if self.writes:
             self._truncate_logs(self.iteration)
-        self._seed_rank()
+        ranks = st.get("ranks", [])
+        if self.dp is not None and len(ranks) == self.dp.world:  # each rank's own, exactly
+            self.bundle.set_policy_rng_state(ranks[self.dp.rank]["policy_rng"])
+            self.engine.costs.load_state_dict(ranks[self.dp.rank]["costs"])
+        else:  # a single process, or another number of ranks than the run had: fresh streams
+            self._seed_rank()
         self.log(f"[resume] from {ck.path.name} (iteration {self.iteration})")
         return True
 

@@ -209,3 +209,44 @@ def test_bpo_train_under_torchrun(tmp_path, parallel) -> None:
     optim = torch.load(run / "checkpoints/iter-000002/optimizer.pt", weights_only=False)
     assert sorted(optim["state"]) == optim["param_groups"][0]["params"]
     assert {float(s["step"]) for s in optim["state"].values()} == {2.0}
+
+
+@pytest.mark.slow
+def test_bpo_train_under_torchrun_resumes_exactly(tmp_path) -> None:
+    """A torchrun run resumed from its last-but-one checkpoint repeats the last iteration's
+    metrics: every rank's own sampling stream and budget cost model are checkpointed (rank 0
+    writes them all), not re-seeded."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = tmp_path / "run"
+    args = [
+        "--config", "configs/toy.yaml", "run.iterations=3", "run.tasks_per_iteration=4",
+        "sandbox.num_train_tasks=6", "sandbox.num_eval_tasks=2", "sft.epochs=1",
+        "budget.amount=100", "run.max_steps=5", "--out", str(run),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+    def torchrun(*extra: str) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(_free_port()), "-m", "bpo.cli", "train", *args, *extra]  # fmt: skip
+        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+    def rows() -> list[dict]:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    torchrun()
+    first = rows()
+    shutil.rmtree(run / "checkpoints" / "iter-000003")  # as if killed during iteration 3
+    torchrun("--resume", str(run))
+    again = rows()
+    assert [r["iteration"] for r in again] == [1, 2, 3]
+    keys = ("compute/generated_tokens", "compute/sandbox_steps", "compute/leaves",
+            "rollout/success", "tree/nodes")  # fmt: skip
+    assert {k: again[2][k] for k in keys} == {k: first[2][k] for k in keys}
+    assert again[2]["loss/total"] == pytest.approx(first[2]["loss/total"], rel=1e-5, abs=1e-7)
