@@ -71,7 +71,7 @@ def test_stats_and_returns():
 
 
 def test_episode_leaves_follow_first_children():
-    t, (a, b, c, d) = build()
+    t, (_a, b, c, _d) = build()
     assert t.episode_leaves() == [c, b]  # root child a continues to c (its first child), b ends
     # the metric is the mean over those episodes, not over all leaves (1 and 2/3 here)
     from bpo.metrics import tree_metrics
