@@ -483,7 +483,7 @@ class Learner:
             # as many forward/backward passes as the rank with the most row chunks
             passes = self.dp.max(passes).tolist()
         for (_, tt), n in zip(batches, passes, strict=True):
-            tt["passes"] = torch.tensor(int(n))
+            tt["passes"] = torch.tensor(int(n), device=self.device)
         return batches, terms
 
     def _params(self) -> list[torch.nn.Parameter]:
