@@ -46,6 +46,15 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _running(pid: int) -> bool:
+    """A process that exists and is not a zombie (an exited child not yet reaped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
 def _tree_versions(run: Path) -> list[set[int]]:
     out = []
     for line in (run / "trees.jsonl").read_text().splitlines():
@@ -103,15 +112,14 @@ def test_roles_run_where_the_placement_puts_them(cluster, tmp_path: Path) -> Non
     assert all(r["time/weight_sync_s"] > 0 for r in rows)
     assert all(len(v) == 1 for v in _tree_versions(run))  # a tree never mixes versions
     assert (run / "summary.json").exists()
-    # the run's actors are gone (killed at its end; the processes exit shortly after)
+    # the run's actors are gone (killed at its end; the processes exit shortly after). Their
+    # own pids, from cluster.json: another Ray on the machine may run actors of these classes
+    pids = [e["pid"] for e in info["engines"]] + [s["pid"] for s in info["sandbox_actors"]]
+    pids += [info["trainer"]["pid"]] if "pid" in info["trainer"] else []
     deadline = time.time() + 30
-    while time.time() < deadline:
-        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-        if "_InferenceEngine" not in ps and "_TrainerActor" not in ps and "SandboxHost" not in ps:
-            break
+    while (alive := [p for p in pids if _running(p)]) and time.time() < deadline:
         time.sleep(1)
-    else:
-        pytest.fail("actors of the finished run are still alive:\n" + ps)
+    assert not alive, f"actors of the finished run are still alive: pids {alive}"
 
 
 def test_a_cluster_without_room_fails_with_what_is_missing(cluster, tmp_path: Path) -> None:
