@@ -101,20 +101,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ddp")
+def spawn_ranks(worker, path) -> list:
+    """Run ``worker(rank, port, path)`` in WORLD processes (one thread each); returns what each
+    rank saved to ``path/rank{r}.pt``."""
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned children
     try:
-        mp.spawn(_worker, args=(_free_port(), str(path)), nprocs=WORLD, join=True)
+        mp.spawn(worker, args=(_free_port(), str(path)), nprocs=WORLD, join=True)
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS")
         else:
             os.environ["OMP_NUM_THREADS"] = old
-    ranks = [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    return run_scenarios(None), ranks
+    return [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_scenarios(None), spawn_ranks(_worker, tmp_path_factory.mktemp("ddp"))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

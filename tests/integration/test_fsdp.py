@@ -18,14 +18,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_ddp import (
     PARAM_ATOL,
     SCENARIOS,
     WORLD,
-    _free_port,
     assert_single_process_update,
     run_scenarios,
+    spawn_ranks,
 )
 
 from bpo.data_parallel import DataParallel
@@ -83,18 +82,7 @@ def _worker(rank: int, port: int, path: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fsdp")
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned children
-    try:
-        mp.spawn(_worker, args=(_free_port(), str(path)), nprocs=WORLD, join=True)
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-    ranks = [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    return run_scenarios(None, "fsdp"), ranks
+    return run_scenarios(None, "fsdp"), spawn_ranks(_worker, tmp_path_factory.mktemp("fsdp"))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
