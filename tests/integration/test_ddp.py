@@ -73,8 +73,8 @@ def run_scenarios(dp: DataParallel | None, parallel: str = "ddp") -> dict[str, d
     return out
 
 
-def _worker(rank: int, port: int, path: str) -> None:
-    """One rank, set up from the environment torchrun would give it."""
+def join_ranks(rank: int, port: int) -> DataParallel:
+    """This process as rank ``rank`` of WORLD, from the environment torchrun would give it."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -82,6 +82,11 @@ def _worker(rank: int, port: int, path: str) -> None:
     torch.set_num_threads(1)
     dp = DataParallel.from_env("gloo")
     assert dp is not None and (dp.rank, dp.world) == (rank, WORLD)
+    return dp
+
+
+def _worker(rank: int, port: int, path: str) -> None:
+    dp = join_ranks(rank, port)
     try:
         out = run_scenarios(dp)
         # a gradient on rank 0 only is summed; no gradient on any rank stays None

@@ -12,7 +12,6 @@ minibatch and runs an idle forward/backward to stay in lockstep with rank 0's ro
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import pytest
@@ -21,8 +20,8 @@ import torch.distributed as dist
 from test_ddp import (
     PARAM_ATOL,
     SCENARIOS,
-    WORLD,
     assert_single_process_update,
+    join_ranks,
     run_scenarios,
     spawn_ranks,
 )
@@ -65,13 +64,7 @@ def resume_run(dp: DataParallel | None) -> dict:
 
 
 def _worker(rank: int, port: int, path: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dp = DataParallel.from_env("gloo")
-    assert dp is not None
+    dp = join_ranks(rank, port)
     try:
         out = run_scenarios(dp, "fsdp")
         out["resume"] = resume_run(dp)
