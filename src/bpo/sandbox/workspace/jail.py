@@ -44,6 +44,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -339,10 +340,13 @@ class Jail:
                     limit = "output"
                     break
         finally:
+            init = None
             if limit is not None or proc.poll() is None:
-                _kill(proc)
+                init = _sandbox_init(proc.pid)
+                _kill(proc, init)
             proc.stdout.close()
             rc = proc.wait()
+            self._wait_sandbox_gone(init)
         seconds = time.monotonic() - t0
         oom, forks = self._cgroup.counters()
         if limit is None:
@@ -361,6 +365,26 @@ class Jail:
         return CommandResult(
             returncode=rc, output=output, truncated=truncated, timed_out=limit == "wall",
             seconds=seconds, limit=limit,
+        )  # fmt: skip
+
+    def _wait_sandbox_gone(self, init: tuple[int, str] | None, timeout: float = 30.0) -> None:
+        """Return once no process of the last command is left. bwrap returns as soon as its
+        namespace's init is killed, while the kernel is still killing the rest (a fork bomb's
+        hundreds of processes take a while on a busy machine): wait for the init to finish
+        exiting (it does only after every process of its namespace is reaped), and for the
+        cgroup to be empty, killing anything still in it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            left = [pid for f in self._cgroup.procs_files() for pid in _read_pids(f)]
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if not left and (init is None or not _running(*init)):
+                return
+            time.sleep(0.01)
+        warnings.warn(
+            f"processes of a sandboxed command were still exiting {timeout:g} s after it was "
+            "killed", RuntimeWarning, stacklevel=3,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -392,7 +416,48 @@ def _cpu_exceeded(rc: int) -> bool:
     return rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """Kill bwrap's whole session; its PID namespace dies with its init."""
+def _kill(proc: subprocess.Popen[bytes], init: tuple[int, str] | None) -> None:
+    """Kill bwrap's session and its namespace's init: the PID namespace dies with its init
+    (the command runs in a session of its own, so killing bwrap's group alone leaves it to
+    ``--die-with-parent``)."""
+    if init is not None and _running(*init):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(init[0], signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of process ``pid`` from /proc, or None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return fields[0], fields[19]
+
+
+def _running(pid: int, start: str) -> bool:
+    """True while the process that started at ``start`` has not finished exiting (a zombie
+    has; a new process with a reused pid is another one)."""
+    st = _stat(pid)
+    return st is not None and st[1] == start and st[0] not in ("Z", "X")
+
+
+def _sandbox_init(bwrap_pid: int) -> tuple[int, str] | None:
+    """(pid, start time) of bwrap's child: the init of the command's PID namespace."""
+    try:
+        kids = Path(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    for kid in kids:
+        st = _stat(int(kid))
+        if st is not None:
+            return int(kid), st[1]
+    return None
+
+
+def _read_pids(procs_file: str) -> list[int]:
+    try:
+        return [int(x) for x in Path(procs_file).read_text().split()]
+    except (OSError, ValueError):
+        return []
