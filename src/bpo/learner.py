@@ -152,10 +152,11 @@ def token_logprobs(
     # positions for every row of the chunk): the vocabulary projection of every context token
     # would cost [rows, L, V] memory, 400 MB per 2048-token row at a 49k vocabulary
     keep = np.unique(a.pred[sel])
+    mask = packed.attention_mask
     out = model(
         input_ids=packed.input_ids[rows].to(dev),
         position_ids=packed.position_ids[rows].to(dev),
-        attention_mask=packed.attention_mask[rows].to(dev),
+        attention_mask=None if mask is None else mask[rows].to(dev),
         use_cache=False,
         output_hidden_states=hidden is not None,
         logits_to_keep=torch.as_tensor(keep, device=dev),

@@ -10,7 +10,9 @@ The mask is an *additive float* mask (0 where visible, dtype-min elsewhere): tra
 passes a custom 4D mask through for Qwen2 and Llama, and a boolean 4D mask is silently wrong
 under eager attention (MACHINE.md). The dense ``[L, L]`` mask costs O(L^2), which is why
 :func:`choose_layout` weighs the tokens the forest saves against its wider rows and falls back
-to independent (padded) rows when the trees share little.
+to independent (padded) rows when the trees share little. A batch whose rows are all plain
+sequences (the paths layout) gets no mask at all: the model's own causal attention is exact
+for right-padded rows, and skips building and reading the dense mask.
 
 The layout is planned on the host (NumPy); the tensors are then made on the requested
 ``device`` (the model's: the learner passes it), one copy each.
@@ -56,7 +58,9 @@ class Packed:
 
     input_ids: torch.Tensor  # [R, L] int64
     position_ids: torch.Tensor  # [R, L] int64
-    attention_mask: torch.Tensor  # [R, 1, L, L] float additive (0 visible, min hidden)
+    attention_mask: torch.Tensor | None
+    """[R, 1, L, L] float additive (0 visible, min hidden); None when every row is one causal
+    sequence, right-padded (the model's causal mask is then exact)."""
     actions: ActionTokens
     edges: list[tuple[int, int]]  # global edge index -> (tree index, node index)
     computed_tokens: int
@@ -112,6 +116,11 @@ def _ancestor_mask(prev: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     return vis, depth
 
 
+def _is_chain(prev: Sequence[int]) -> bool:
+    """True when each token's predecessor is the token before it (one causal sequence)."""
+    return all(p == t - 1 for t, p in enumerate(prev))
+
+
 def _to_packed(
     rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]],
     edges: list[tuple[int, int]],
@@ -121,28 +130,36 @@ def _to_packed(
 ) -> Packed:
     width = max(len(ids) for ids, _, _ in rows)
     r = len(rows)
+    causal = all(_is_chain(prev) for _, prev, _ in rows)
     input_ids = np.full((r, width), pad_id, dtype=np.int64)
-    position_ids = np.zeros((r, width), dtype=np.int64)
-    vis = np.zeros((r, width, width), dtype=bool)
+    # causal rows: padding continues the positions, so that transformers does not read a
+    # restart at 0 as the start of another packed sequence and build a mask after all
+    position_ids = np.tile(np.arange(width, dtype=np.int64), (r, 1)) if causal else None
+    if position_ids is None:
+        position_ids = np.zeros((r, width), dtype=np.int64)
+    vis = None if causal else np.zeros((r, width, width), dtype=bool)
     a_row, a_pred, a_tok, a_edge = [], [], [], []
     computed = 0
     for k, (ids, prev, acts) in enumerate(rows):
-        m, d = _ancestor_mask(prev)
         n = len(ids)
         computed += n
         input_ids[k, :n] = ids
-        position_ids[k, :n] = d
-        vis[k, :n, :n] = m
-        vis[k, n:, n:] = np.eye(width - n, dtype=bool)  # padding attends to itself only
+        if vis is not None:
+            m, d = _ancestor_mask(prev)
+            position_ids[k, :n] = d
+            vis[k, :n, :n] = m
+            vis[k, n:, n:] = np.eye(width - n, dtype=bool)  # padding attends to itself only
         for pos, edge, pred, tok in acts:
             a_row.append(k)
             a_pred.append(pred)
             a_tok.append(tok)
             a_edge.append(edge)
             del pos
-    mask = torch.zeros((r, 1, width, width), dtype=dtype, device=device)
-    hidden = ~torch.as_tensor(vis, device=device)[:, None]  # [R, 1, L, L] bool
-    mask.masked_fill_(hidden, torch.finfo(dtype).min)
+    mask = None
+    if vis is not None:
+        mask = torch.zeros((r, 1, width, width), dtype=dtype, device=device)
+        hidden = ~torch.as_tensor(vis, device=device)[:, None]  # [R, 1, L, L] bool
+        mask.masked_fill_(hidden, torch.finfo(dtype).min)
     actions = ActionTokens(
         np.array(a_row, dtype=np.int64),
         np.array(a_pred, dtype=np.int64),

@@ -163,7 +163,8 @@ def test_learner_policy_and_warm_start_name_the_device_of_every_tensor(model_dir
             for packed, tt in batches:
                 assert packed is not None
                 for x in (packed.input_ids, packed.position_ids, packed.attention_mask):
-                    assert x.device == dev
+                    assert x is None or x.device == dev
+                assert (packed.attention_mask is None) == (layout == "paths")
                 assert {t.device for t in tt.values()} == {dev}
         assert learner.gradient(trees).device == dev
         # 3. PPO's value head

@@ -31,6 +31,7 @@ def test_forest_equals_independent_paths(arch, attn):
     trees = [random_tree(rng), random_tree(rng, prefix=5, k=2, depth=3)]
     model = tiny(arch, attn)
     forest = edge_logps(model, pack_forest(trees, max_row_tokens=10_000))
+    assert pack_paths(trees).attention_mask is None  # right-padded causal rows: no mask
     paths = edge_logps(model, pack_paths(trees))
     assert forest.keys() == paths.keys()
     for key in forest:
