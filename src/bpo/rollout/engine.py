@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -209,6 +210,9 @@ class _TreeRun:
     backbone: list[tuple[BranchPoint, Snapshot, int]] = field(default_factory=list)
     prompts: dict[int, PromptState] = field(default_factory=dict)
     """The prompt state at each non-terminal node (the context its actions were sampled from)."""
+    rng: random.Random | None = None
+    """Rounds the budget's fractional rollout counts (:func:`_round`); seeded by the tree's
+    seed, so it is independent of the samples and reproducible."""
 
 
 class RolloutEngine:
@@ -361,12 +365,12 @@ class RolloutEngine:
                     return None
                 self.faults["retries"] += 1
                 sandbox = self._replace(sandbox)
-        run = _TreeRun(Tree(task, seed), sandbox)
+        run = _TreeRun(Tree(task, seed), sandbox, rng=random.Random(f"budget-{seed}"))
         run.compute.sandbox_seconds += time.perf_counter() - t0
         state = self.prompter.start(obs.instruction, obs.text, obs.admissible)
         run.tree.add_root(state.ids, obs.text, sandbox.fingerprint())
         run.prompts[0] = state
-        width = self._root_width()
+        width = self._root_width(run.rng)
         run.root_width = width
         run.wanted = width
         if width >= 2:
@@ -379,25 +383,28 @@ class RolloutEngine:
         self.faults["rollouts"] += 1
         return run
 
-    def _root_width(self) -> int:
+    def _root_width(self, rng: random.Random | None) -> int:
         """Children of the root, fixed before any of them is sampled, from the costs of other,
         finished trees (causal). In the expected-budget mode an independent group (a rule that
         never branches) gets as many episodes as the budget buys at the expected episode cost
         (at least ``min_rollouts``, at most ``root_width``); with ``fill_budget`` a branching
         tree gets as many backbones as the budget buys at the expected cost of a backbone with
-        the forks its rule asks for (at least ``root_width``, at most ``max_root_width``)."""
+        the forks its rule asks for (at least ``root_width``, at most ``max_root_width``).
+        "As many as the budget buys" is rounded at random (:func:`_round`), so that the
+        expected cost matches the budget: rounding down left up to one backbone's cost unspent
+        per tree (BPO spent 0.71x the groups' tokens in the default comparison)."""
         cfg, b = self.config, self.config.budget
         if b.mode != "expected":
             return cfg.root_width
         if getattr(self.rule, "k", 2) == 1:
             if cfg.root_width < 2:
                 return cfg.root_width
-            n = int(b.amount // max(self.costs.rollout_cost(b.unit, 0), 1e-9))
+            n = _round(b.amount / max(self.costs.rollout_cost(b.unit, 0), 1e-9), rng)
             return max(b.min_rollouts, min(cfg.root_width, n))
         per_child = self.costs.root_child_cost(b.unit) if cfg.fill_budget else None
         if per_child is None:
             return cfg.root_width
-        n = int(b.amount // max(per_child, 1e-9))
+        n = _round(b.amount / max(per_child, 1e-9), rng)
         return max(cfg.root_width, min(cfg.max_root_width, n))
 
     def _reserved(self, run: _TreeRun) -> float:
@@ -416,14 +423,15 @@ class RolloutEngine:
         return total
 
     def _cap(self, run: _TreeRun, k: int, step: int) -> int:
-        """Largest K <= k whose K - 1 forks fit in the budget left (expected mode); the budget
-        never cuts what is already queued, so K is fixed before any child is sampled."""
+        """Largest K <= k whose K - 1 forks fit in the budget left (expected mode), the number
+        of forks that fit rounded at random (:func:`_round`); the budget never cuts what is
+        already queued, so K is fixed before any child is sampled."""
         b = self.config.budget
         if b.mode != "expected" or k < 2:
             return k
         avail = b.amount - b.used(run.compute) - self._reserved(run)
         fork = max(self.costs.rollout_cost(b.unit, step), 1e-9)
-        return min(k, 1 + int(max(avail, 0.0) // fork))
+        return min(k, 1 + _round(max(avail, 0.0) / fork, run.rng))
 
     def _turn(self, runs: list[_TreeRun]) -> None:
         """1. batch the policy over every tree's cursor; 2. branch decision; 3. step sandboxes."""
@@ -746,3 +754,13 @@ def _turn_entropy(entropies: Sequence[float], mode: str) -> float:
     if mode == "first":
         return float(entropies[0])
     return float(sum(entropies) / len(entropies))
+
+
+def _round(x: float, rng: random.Random | None) -> int:
+    """``x`` rounded down or up at random, up with probability its fractional part, so that
+    the expected result is ``x``: a budget that buys 2.6 rollouts buys 3 in 60% of trees (the
+    draw is independent of the samples, so the decision stays causal). Down without ``rng``."""
+    n = math.floor(x)
+    if rng is not None and rng.random() < x - n:
+        n += 1
+    return int(n)
