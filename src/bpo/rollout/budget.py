@@ -19,6 +19,7 @@ Two budget modes:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field, fields
 
@@ -107,57 +108,73 @@ class Budget:
 @dataclass
 class CostModel:
     """Expected cost of a rollout, learnt from *finished trees*. A tree's decisions use the
-    costs of other trees (earlier iterations, or other tasks already finished in this one),
-    never its own, which are independent of its samples: the decisions stay causal. Before any
-    tree has finished: half the step limit and half the token limit per turn."""
+    costs of other trees (this iteration's finished ones and those of the last ``history``
+    iterations), never its own, which are independent of its samples: the decisions stay
+    causal. Before any tree has finished: half the step limit and half the token limit per
+    turn.
+
+    Only recent iterations count because a rollout's cost follows the policy: in the default
+    comparison a window of the last 2048 trees (the whole run) kept the early, long episodes
+    in the estimate, and BPO's trees, sized from it, spent a quarter of their budget by the
+    middle of the run (0.71x the groups' tokens over the run)."""
 
     max_steps: int
     max_new_tokens: int
-    window: int = 2048
-    lengths: deque[int] = field(default_factory=deque)
-    """Turns of recent root-to-leaf paths."""
-    per_turn: deque[float] = field(default_factory=deque)
-    """Generated tokens per turn of recent trees."""
-    trees: deque[tuple[float, ...]] = field(default_factory=deque)
-    """Recent finished trees: (generated tokens, sandbox steps, leaves, rollouts run, rollouts
-    the branch rule asked for, root width)."""
+    history: int = 2
+    """Finished iterations whose trees count, besides the current iteration's."""
+    buckets: deque[_Costs] = field(default_factory=lambda: deque([_Costs()]))
+    """One record of finished trees per iteration, the current one last."""
 
     def observe(self, path_turns: int, tokens: int, turns: int) -> None:
         """Record one root-to-leaf path of a finished tree (and the tree's tokens per turn)."""
-        self.lengths.append(path_turns)
+        self.buckets[-1].lengths.append(path_turns)
         if turns:
-            self.per_turn.append(tokens / turns)
-        while len(self.lengths) > self.window:
-            self.lengths.popleft()
-        while len(self.per_turn) > self.window:
-            self.per_turn.popleft()
+            self.buckets[-1].per_turn.append(tokens / turns)
 
     def observe_tree(self, c: Compute, wanted: int, root_width: int) -> None:
         """Record a finished tree's totals; ``wanted`` counts the rollouts it ran plus the forks
         the budget refused."""
-        self.trees.append(
+        self.buckets[-1].trees.append(
             (c.generated_tokens, c.sandbox_steps, c.leaves, c.episodes, wanted, root_width)
         )
-        while len(self.trees) > self.window:
-            self.trees.popleft()
+
+    @property
+    def lengths(self) -> list[int]:
+        """Turns of recent root-to-leaf paths."""
+        return [n for b in self.buckets for n in b.lengths]
+
+    @property
+    def per_turn(self) -> list[float]:
+        """Generated tokens per turn of recent trees."""
+        return [x for b in self.buckets for x in b.per_turn]
+
+    @property
+    def trees(self) -> list[tuple[float, ...]]:
+        """Recent finished trees: (generated tokens, sandbox steps, leaves, rollouts run,
+        rollouts the branch rule asked for, root width)."""
+        return [t for b in self.buckets for t in b.trees]
 
     def root_child_cost(self, unit: str) -> float | None:
         """Expected cost of one root child with every rollout its branch rule asks for: the
         rule's appetite (rollouts wanted per root child) times the mean cost of a rollout, both
         from finished trees. Refused forks count as wanted, so a tight budget does not feed back
         into an ever wider root."""
-        if not self.trees:
+        trees = self.trees
+        if not trees:
             return None
-        tok, steps, leaves, run, wanted, width = (
-            float(sum(x)) for x in zip(*self.trees, strict=True)
-        )
+        tok, steps, leaves, run, wanted, width = (float(sum(x)) for x in zip(*trees, strict=True))
         if run <= 0 or width <= 0:
             return None
         spent = {"tokens": tok, "steps": steps, "leaves": leaves}[unit]
         return (wanted / width) * (spent / run)
 
     def end_iteration(self) -> None:
-        """Nothing to roll over: finished trees are used as soon as they finish."""
+        """Start the next iteration's record; forget iterations beyond ``history``."""
+        if self.buckets[-1].empty:  # an iteration with no finished tree adds nothing
+            return
+        self.buckets.append(_Costs())
+        while len(self.buckets) > self.history + 1:
+            self.buckets.popleft()
 
     @property
     def turn_tokens(self) -> float | None:
@@ -181,13 +198,27 @@ class CostModel:
         return turns * (per_turn if per_turn is not None else self.max_new_tokens / 2)
 
     def state_dict(self) -> dict:
-        return {
-            "lengths": list(self.lengths),
-            "per_turn": list(self.per_turn),
-            "trees": [list(t) for t in self.trees],
-        }
+        return {"buckets": [dataclasses.asdict(b) for b in self.buckets]}
 
     def load_state_dict(self, d: dict) -> None:
-        self.lengths = deque(d["lengths"])
-        self.per_turn = deque(d["per_turn"])
-        self.trees = deque(tuple(t) for t in d.get("trees", []))
+        if "buckets" in d:
+            self.buckets = deque(
+                _Costs(b["lengths"], b["per_turn"], [tuple(t) for t in b["trees"]])
+                for b in d["buckets"]
+            )
+        else:  # a checkpoint from before the per-iteration record: one record
+            trees = [tuple(t) for t in d.get("trees", [])]
+            self.buckets = deque([_Costs(list(d["lengths"]), list(d["per_turn"]), trees)])
+
+
+@dataclass
+class _Costs:
+    """What the trees finished in one iteration cost."""
+
+    lengths: list[int] = field(default_factory=list)
+    per_turn: list[float] = field(default_factory=list)
+    trees: list[tuple[float, ...]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.lengths or self.trees)
