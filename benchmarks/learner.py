@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from common import fmt_num, load_average, machine_info, markdown_table, write_json
 
-from bpo.learner import row_chunks, token_logprobs
+from bpo.logprobs import row_chunks, token_logprobs
 from bpo.losses import policy_loss
 from bpo.packing import (
     Packed,

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from bpo.config import Config, ConfigError, PolicyConfig, SFTConfig
-from bpo.learner import model_device, row_chunks, token_logprobs
+from bpo.logprobs import model_device, row_chunks, token_logprobs
 from bpo.packing import pack_paths
 from bpo.policy.parsing import parse_action
 from bpo.policy.prompts import PromptBuilder

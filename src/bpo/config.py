@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from bpo.learner import LearnerConfig
+from bpo.learner_config import LearnerConfig
 from bpo.rollout.budget import BUDGET_MODES, BUDGET_UNITS
 
 __all__ = [

@@ -52,6 +52,7 @@ __all__ = [
     "DataParallel",
     "full_optimizer_state",
     "gather_shards",
+    "idle_pass",
     "load_full_optimizer_state",
     "load_shards",
 ]
@@ -194,6 +195,21 @@ def gather_shards(sharded: list[torch.Tensor], full: list[torch.Tensor]) -> None
     with torch.no_grad():
         for s, f in zip(sharded, full, strict=True):
             f.copy_(s.full_tensor())
+
+
+def idle_pass(
+    model: torch.nn.Module, pad_id: int, device: torch.device, value_head: bool = False
+) -> None:
+    """FSDP lockstep: a forward and backward of zero loss through the sharded model, for a
+    rank with fewer row chunks than another in this minibatch (or none). It uses every
+    parameter a real pass of the learner uses (its ``value_head`` too, when ``value_head``),
+    so that every rank reduce-scatters the same set of gradients; they add zero."""
+    ids = torch.full((1, 1), pad_id, dtype=torch.long, device=device)  # [1, 1]
+    out = model(input_ids=ids, use_cache=False, output_hidden_states=value_head, logits_to_keep=1)
+    loss = out.logits.float().sum()
+    if value_head:
+        loss = loss + model.value_head(out.hidden_states[-1]).float().sum()
+    (loss * 0.0).backward()
 
 
 def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

@@ -5,7 +5,7 @@ Update phases (one call of :meth:`Learner.update` = one training iteration):
 
 1. advantages and weights for every edge (``bpo.estimators``), then per-token loss weights for
    the configured aggregation, normalised over the whole minibatch (so that micro-batches can
-   accumulate gradients and every method shares one effective step size);
+   accumulate gradients and every method shares one effective step size; ``bpo.token_terms``);
 2. packing: a token forest per minibatch (each shared prefix once) or independent rows,
    whichever :func:`bpo.packing.choose_layout` expects to be cheaper;
 3. for each epoch and minibatch: forward, loss, backward per row chunk; gradient norm before
@@ -39,7 +39,6 @@ import copy
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,137 +49,28 @@ from bpo.data_parallel import (
     DataParallel,
     full_optimizer_state,
     gather_shards,
+    idle_pass,
     load_full_optimizer_state,
     load_shards,
 )
-from bpo.losses import AGGREGATIONS, policy_loss
+from bpo.learner_config import PARALLEL, LearnerConfig
+from bpo.logprobs import model_device, row_chunks, token_logprobs
+from bpo.losses import policy_loss
 from bpo.packing import Packed, attention_pair_cost, choose_layout, pack_forest, pack_paths
+from bpo.token_terms import edge_terms, gae_terms, token_terms
 from bpo.tree import Tree
 
-__all__ = ["Learner", "LearnerConfig", "model_device", "row_chunks", "token_logprobs"]
-
-PARALLEL = ("ddp", "fsdp")
-
-
-@dataclass(frozen=True)
-class LearnerConfig:
-    lr: float = 1e-5
-    """AdamW learning rate (tune per method on the same grid; DESIGN section 6)."""
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_updates: int = 0
-    """Linear learning-rate warm-up over the first N policy updates. Adam's first steps move
-    every parameter by about ``lr`` whatever its gradient's size; without a warm-up they can
-    undo much of a warm start (measured on the CPU demo: k3 KL of 10 to the sampling policy
-    within the first iteration at lr 5e-4)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping; the norm before clipping is logged every step."""
-    clip_low: float = 0.2
-    clip_high: float | None = None
-    """Upper ratio clip; None = clip_low (DAPO's clip-higher uses e.g. 0.28)."""
-    kl_coef: float = 0.0
-    """k3 KL to the frozen initial policy (needs a reference model)."""
-    entropy_coef: float = 0.0
-    aggregation: str = "tree"
-    """Loss aggregation, shared by every method in a comparison: tree, token_mean, sequence_mean."""
-    epochs: int = 1
-    minibatches: int = 1
-    """Optimizer steps per iteration = epochs * minibatches (each one a "policy update")."""
-    layout: str = "auto"
-    """Prefix sharing: "forest" (packed tree mask), "paths" (independent rows) or "auto"."""
-    max_row_tokens: int = 2048
-    """Trees are packed together into one row up to this many tokens (and never wider than the
-    largest tree), and rows are forwarded together up to this many (padded) tokens per forward
-    pass."""
-    temperature: float = 1.0
-    """Sampling temperature: log-probs are computed from logits / temperature."""
-    max_bad_steps: int = 5
-    """Non-finite updates in a row before the run stops with an error."""
-    value_coef: float = 0.5
-    """PPO only: weight of the value head's squared error in the loss."""
-    gamma: float = 1.0
-    """PPO only: discount over turns for GAE."""
-    gae_lambda: float = 0.95
-    """PPO only: GAE's lambda (Schulman et al. 2016)."""
-    parallel: str = "ddp"
-    """Data-parallel strategy under torchrun (WORLD_SIZE > 1; ignored in one process): "ddp"
-    (a full replica per rank, gradients all-reduced) or "fsdp" (the learner trains an FSDP2
-    copy of the model: parameters, gradients and AdamW states sharded over the ranks; the same
-    update; ``bpo.data_parallel``)."""
-
-    def __post_init__(self) -> None:
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"unknown aggregation {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}"
-            )
-        if self.layout not in ("auto", "forest", "paths"):
-            raise ValueError(f"unknown layout {self.layout!r}; valid: auto, forest, paths")
-        if self.parallel not in PARALLEL:
-            raise ValueError(f"unknown parallel {self.parallel!r}; valid: {', '.join(PARALLEL)}")
-        if self.warmup_updates < 0:
-            raise ValueError(f"warmup_updates must be >= 0, got {self.warmup_updates}")
-        if self.epochs < 1 or self.minibatches < 1:
-            raise ValueError("epochs and minibatches must be >= 1")
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    """The device of a model's (first) parameter: where its inputs must be made."""
-    return next(model.parameters()).device
-
-
-def token_logprobs(
-    model: torch.nn.Module,
-    packed: Packed,
-    rows: slice | None = None,
-    temperature: float = 1.0,
-    hidden: list[torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-    """Log-probs and entropies of the action tokens in ``rows`` of a packed batch.
-
-    Returns ``(logp [A], entropy [A], index [A])`` where ``index`` selects those tokens in
-    ``packed.actions`` (entries of other rows are not computed). When ``hidden`` is a list, the
-    last layer's hidden states at each selected token's predictor position are appended to it
-    (``[A, H]``: the state a value head reads). Everything is computed on ``model``'s device
-    (the packed inputs are moved there when they were made elsewhere).
-    """
-    dev = model_device(model)
-    rows = rows or slice(0, packed.num_rows)
-    r0 = rows.start or 0
-    a = packed.actions
-    sel = np.flatnonzero((a.row >= r0) & (a.row < rows.stop))
-    # logits only at the positions that predict an action token (``logits_to_keep``, the same
-    # positions for every row of the chunk): the vocabulary projection of every context token
-    # would cost [rows, L, V] memory, 400 MB per 2048-token row at a 49k vocabulary
-    keep = np.unique(a.pred[sel])
-    mask = packed.attention_mask
-    out = model(
-        input_ids=packed.input_ids[rows].to(dev),
-        position_ids=packed.position_ids[rows].to(dev),
-        attention_mask=None if mask is None else mask[rows].to(dev),
-        use_cache=False,
-        output_hidden_states=hidden is not None,
-        logits_to_keep=torch.as_tensor(keep, device=dev),
-    )
-    logits = out.logits  # [r, P, V]
-    row = torch.as_tensor(a.row[sel] - r0, device=dev)  # [A]
-    col = torch.as_tensor(np.searchsorted(keep, a.pred[sel]), device=dev)  # [A]
-    picked = logits[row, col]  # [A, V]
-    if hidden is not None:
-        pred = torch.as_tensor(a.pred[sel], device=dev)  # [A]
-        hidden.append(out.hidden_states[-1][row, pred])  # [A, H]
-    logprobs_all = torch.log_softmax(picked.float() / temperature, dim=-1)  # [A, V]
-    tok = torch.as_tensor(a.token[sel], device=dev)  # [A]
-    logp = logprobs_all.gather(-1, tok[:, None]).squeeze(-1)  # [A]
-    entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)  # [A]
-    return logp, entropy, sel
-
-
-def row_chunks(packed: Packed, max_tokens: int) -> list[slice]:
-    """Consecutive row ranges whose padded size (rows x width) stays within ``max_tokens``
-    (at least one row each): independent rows are forwarded as a batch."""
-    width = int(packed.input_ids.shape[1])
-    per = max(1, max_tokens // max(width, 1))
-    return [slice(r, min(r + per, packed.num_rows)) for r in range(0, packed.num_rows, per)]
+# re-exported from where they live: LearnerConfig and PARALLEL (bpo.learner_config), model_device,
+# row_chunks and token_logprobs (bpo.logprobs)
+__all__ = [
+    "PARALLEL",
+    "Learner",
+    "LearnerConfig",
+    "NonFiniteError",
+    "model_device",
+    "row_chunks",
+    "token_logprobs",
+]
 
 
 class NonFiniteError(RuntimeError):
@@ -248,103 +138,6 @@ class Learner:
         )
         self.updates = 0
         self.bad_in_a_row = 0
-
-    # -- phase 1 -----------------------------------------------------------------------------
-    def _edge_terms(
-        self, trees: Sequence[Tree], estimator: str, options: dict[str, Any]
-    ) -> list[estimators.EdgeAdvantages]:
-        out = []
-        for tree in trees:
-            fps = tree.fingerprints() if estimator == "gigpo" else None
-            out.append(
-                estimators.compute(
-                    estimator, tree.parents(), tree.rewards(), fingerprints=fps, **options
-                )
-            )
-        return out
-
-    def _gae_terms(
-        self, trees: Sequence[Tree], packed: Packed
-    ) -> tuple[list[estimators.EdgeAdvantages], list[np.ndarray]]:
-        """PPO: the value head's V(s) at every acting state (no grad), then GAE over turns.
-        Returns (advantage and tree weight per edge, return targets per node) per tree.
-
-        Computed with ``full_model`` (the weights of the sharded copy at this point): a forward
-        through an FSDP model is a collective, and ranks have different numbers of chunks."""
-        values = [np.zeros(len(t)) for t in trees]
-        a = packed.actions
-        with torch.no_grad():
-            for rows in row_chunks(packed, self.config.max_row_tokens):
-                hid: list[torch.Tensor] = []
-                _, _, sel = token_logprobs(self.full_model, packed, rows, hidden=hid)
-                v = self.full_model.value_head(hid[0]).squeeze(-1).float().cpu().numpy()  # [A]
-                for k, s_ in enumerate(sel):
-                    t, node = packed.edges[a.edge[s_]]
-                    values[t][trees[t].nodes[node].parent] = v[k]  # same for every token of e
-        terms, targets = [], []
-        for t, tree in enumerate(trees):
-            adv, ret = estimators.gae(
-                tree.parents(), tree.rewards(), values[t],
-                gamma=self.config.gamma, lam=self.config.gae_lambda,
-            )  # fmt: skip
-            w = estimators.compute("bpo", tree.parents(), tree.rewards()).weight
-            terms.append(estimators.EdgeAdvantages(adv, w))
-            targets.append(ret)
-        return terms, targets
-
-    def _token_terms(
-        self,
-        packed: Packed | None,
-        trees: Sequence[Tree],
-        terms: list[estimators.EdgeAdvantages],
-        targets: list[np.ndarray] | None = None,
-        num_trees: int | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Per action token: advantage, loss weight (normalised for the aggregation), old logp;
-        with value targets, also the return target and value-loss weight of each edge's first
-        token (the token whose predictor position is the acting state). The normalisers are
-        those of the whole minibatch (``num_trees`` trees, sums over ranks); ``packed`` is None
-        on a rank without trees. ``n_tok`` is the minibatch's action-token count."""
-        num_trees = len(trees) if num_trees is None else num_trees
-        edge = packed.actions.edge if packed is not None else np.zeros(0, dtype=np.int64)
-        adv = np.empty(len(edge))
-        w = np.empty(len(edge))
-        old = np.empty(len(edge))
-        ret = np.zeros(len(edge))
-        first = np.zeros(len(edge))
-        n_tok = np.zeros(len(packed.edges) if packed is not None else 0)
-        np.add.at(n_tok, edge, 1)
-        offsets: dict[int, int] = {}
-        packed_edges = packed.edges if packed is not None else []
-        for k, e in enumerate(edge):
-            t, node = packed_edges[e]
-            j = offsets.get(e, 0)
-            offsets[e] = j + 1
-            adv[k] = terms[t].advantage[node]
-            w[k] = terms[t].weight[node]
-            old[k] = trees[t].nodes[node].turn.logprobs[j]  # type: ignore[union-attr]
-            if targets is not None and j == 0:
-                ret[k] = targets[t][node]
-                first[k] = 1.0
-        totals = np.array([w.sum(), first.sum(), len(edge)])  # [3]
-        if self.dp is not None:
-            totals = self.dp.sum(totals)
-        mode = self.config.aggregation
-        if mode == "tree":
-            w = w / num_trees
-        elif mode == "token_mean":
-            w = w / max(totals[0], 1e-30)
-        else:  # sequence_mean
-            w = w / n_tok[edge] / num_trees
-        f, dev = torch.float32, self.device
-        return {
-            "n_tok": torch.tensor(totals[2], device=dev),
-            "adv": torch.tensor(adv, dtype=f, device=dev),  # [A]
-            "w": torch.tensor(w, dtype=f, device=dev),  # [A]
-            "old": torch.tensor(old, dtype=f, device=dev),  # [A]
-            "ret": torch.tensor(ret, dtype=f, device=dev),  # [A]
-            "vw": torch.tensor(first / max(totals[1], 1.0), dtype=f, device=dev),  # [A]
-        }
 
     # -- phases 2-4 ----------------------------------------------------------------------------
     def pack(self, trees: Sequence[Tree]) -> Packed:
@@ -451,6 +244,7 @@ class Learner:
         """Phases 1-2: advantages, packing and per-token terms of each minibatch (of this
         rank's shard of it under data parallelism: packed is None where the shard is empty;
         the terms of other ranks' trees are None)."""
+        cfg = self.config
         ppo = estimator == "ppo"
         if ppo and not self.critic:
             raise ValueError(
@@ -469,15 +263,21 @@ class Learner:
             sub = [trees[i] for i in idx]
             packed = self.pack(sub) if sub else None
             targets = None
-            if ppo:
-                sub_terms, targets = (
-                    self._gae_terms(sub, packed) if packed is not None else ([], [])
-                )
+            if ppo and packed is not None:
+                sub_terms, targets = gae_terms(
+                    self.full_model, sub, packed, max_row_tokens=cfg.max_row_tokens,
+                    gamma=cfg.gamma, lam=cfg.gae_lambda,
+                )  # fmt: skip
+            elif ppo:
+                sub_terms, targets = [], []
             else:
-                sub_terms = self._edge_terms(sub, estimator, estimator_options)
+                sub_terms = edge_terms(sub, estimator, estimator_options)
             for i, term in zip(idx, sub_terms, strict=True):
                 terms[i] = term
-            tt = self._token_terms(packed, sub, sub_terms, targets, num_trees=len(chunk))
+            tt = token_terms(
+                packed, sub, sub_terms, aggregation=cfg.aggregation, device=self.device,
+                dp=self.dp, targets=targets, num_trees=len(chunk),
+            )  # fmt: skip
             batches.append((packed, tt))
         passes = [len(self._chunks(p)) if p is not None else 0 for p, _ in batches]
         if self.fsdp:  # FSDP's all-gathers and reduce-scatters are collectives: every rank runs
@@ -497,20 +297,6 @@ class Learner:
         row = packed.actions.row
         chunks = row_chunks(packed, self.config.max_row_tokens)
         return [c for c in chunks if np.any((row >= c.start) & (row < c.stop))]
-
-    def _idle_pass(self) -> None:
-        """FSDP lockstep: a forward and backward of zero loss through the sharded model, for a
-        rank with fewer row chunks than another in this minibatch (or none). It uses every
-        parameter a real pass uses (the value head too), so that every rank reduce-scatters
-        the same set of gradients; they add zero."""
-        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)  # [1, 1]
-        out = self.model(
-            input_ids=ids, use_cache=False, output_hidden_states=self.critic, logits_to_keep=1
-        )
-        loss = out.logits.float().sum()
-        if self.critic:
-            loss = loss + self.model.value_head(out.hidden_states[-1]).float().sum()
-        (loss * 0.0).backward()
 
     def _accumulate(self, packed: Packed | None, tt: dict[str, torch.Tensor]) -> dict[str, float]:
         """Forward and backward of the loss over a packed minibatch (gradients accumulate);
@@ -552,7 +338,7 @@ class Learner:
             ratio_s += out.ratio_mean.item() * frac
             kl_old += out.approx_kl_old.item() * frac
         for _ in range(int(tt["passes"]) - len(chunks)):
-            self._idle_pass()
+            idle_pass(self.model, self.pad_id, self.device, value_head=self.critic)
         return {
             **sums,
             "learner/clip_frac": clip_n,

@@ -34,7 +34,8 @@ from bpo.policy.protocol import SamplingParams
 from bpo.preflight import preflight
 from bpo.tree import Tree, Turn
 
-CHECKED = ("agent.py", "learner.py", "packing.py", "losses.py",
+CHECKED = ("agent.py", "learner.py", "logprobs.py", "token_terms.py", "data_parallel.py",
+           "packing.py", "losses.py",
            "policy/hf.py", "policy/batching.py", "policy/prefix_cache.py")  # fmt: skip
 ROOT = Path(bpo.__file__).resolve().parent
 CONSTRUCTORS = {
@@ -181,7 +182,13 @@ def test_learner_policy_and_warm_start_name_the_device_of_every_tensor(model_dir
         assert np.isfinite(sft["sft/final_nll"])
     implicit = sorted(set(book.implicit))
     assert implicit == [], f"tensor constructors without a device: {implicit}"
-    for module in ("learner.py", "packing.py", "policy/batching.py"):
+    for module in (
+        "learner.py",
+        "logprobs.py",
+        "token_terms.py",
+        "packing.py",
+        "policy/batching.py",
+    ):
         assert book.seen[module] > 0, f"no constructor seen from {module}: the check is blind"
 
 

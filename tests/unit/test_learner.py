@@ -8,6 +8,7 @@ import torch
 from bpo.learner import Learner, LearnerConfig, NonFiniteError, token_logprobs
 from bpo.packing import choose_layout, pack_forest, pack_paths
 from bpo.testing import random_tree, tiny_causal_lm
+from bpo.token_terms import gae_terms
 from bpo.tree import Turn
 
 VOCAB = 64
@@ -149,7 +150,9 @@ def test_ppo_value_head_learns_returns():
     from bpo import estimators
 
     packed = learner.pack(trees)
-    terms, _ = learner._gae_terms(trees, packed)
+    cfg = learner.config
+    terms, _ = gae_terms(model, trees, packed, max_row_tokens=cfg.max_row_tokens,
+                         gamma=cfg.gamma, lam=cfg.gae_lambda)  # fmt: skip
     hid = []
     with torch.no_grad():
         _, _, sel = token_logprobs(model, packed, slice(0, packed.num_rows), hidden=hid)
