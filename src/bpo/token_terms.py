@@ -116,19 +116,18 @@ def token_terms(
     totals = np.array([w.sum(), first.sum(), len(edge)])  # [3]
     if dp is not None:
         totals = dp.sum(totals)
-    mode = aggregation
-    if mode == "tree":
+    if aggregation == "tree":
         w = w / num_trees
-    elif mode == "token_mean":
+    elif aggregation == "token_mean":
         w = w / max(totals[0], 1e-30)
     else:  # sequence_mean
         w = w / n_tok[edge] / num_trees
-    f, dev = torch.float32, device
+    f = torch.float32
     return {
-        "n_tok": torch.tensor(totals[2], device=dev),
-        "adv": torch.tensor(adv, dtype=f, device=dev),  # [A]
-        "w": torch.tensor(w, dtype=f, device=dev),  # [A]
-        "old": torch.tensor(old, dtype=f, device=dev),  # [A]
-        "ret": torch.tensor(ret, dtype=f, device=dev),  # [A]
-        "vw": torch.tensor(first / max(totals[1], 1.0), dtype=f, device=dev),  # [A]
+        "n_tok": torch.tensor(totals[2], device=device),
+        "adv": torch.tensor(adv, dtype=f, device=device),  # [A]
+        "w": torch.tensor(w, dtype=f, device=device),  # [A]
+        "old": torch.tensor(old, dtype=f, device=device),  # [A]
+        "ret": torch.tensor(ret, dtype=f, device=device),  # [A]
+        "vw": torch.tensor(first / max(totals[1], 1.0), dtype=f, device=device),  # [A]
     }
