@@ -11,7 +11,7 @@ from collections.abc import Sequence
 # name -> ("module:function", one-line help). The function takes argv (list[str]) and returns
 # an exit code; it parses its own arguments (argparse with prog="bpo NAME").
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("bpo.train:main", "train an agent with BPO (or a baseline) in a sandbox"),
+    "train": ("bpo.train_cli:main", "train an agent with BPO (or a baseline) in a sandbox"),
     "compare": ("bpo.compare:main", "BPO vs GRPO, RLOO, GiGPO, PPO at matched compute"),
     "eval": ("bpo.evaluate:main", "evaluate a run or checkpoint on held-out tasks"),
     "verify": ("bpo.analysis.verify:main", "exact check of every estimator on tabular MDPs"),
