@@ -217,14 +217,20 @@ class Trainer:
             self.save()
         stop = {"flag": False}
 
-        def on_sigint(signum: int, frame: Any) -> None:
+        def on_stop(signum: int, frame: Any) -> None:
+            # Ctrl-C, or SIGTERM (a job scheduler's warning before it kills, ``bpo compare``
+            # stopping its runs): finish the iteration, checkpoint, exit; a second one stops
+            # at once
             stop["flag"] = True
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second one stops at once
-            os.write(2, b"\n[interrupt] finishing this iteration, then a checkpoint; press Ctrl-C "
-                        b"again to stop at once (this iteration is lost)\n")  # fmt: skip
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            how = "press Ctrl-C" if signum == signal.SIGINT else "send SIGTERM"
+            os.write(2, f"\n[interrupt] finishing this iteration, then a checkpoint; {how} again "
+                        "to stop at once (this iteration is lost)\n".encode())  # fmt: skip
 
         main_thread = threading.current_thread() is threading.main_thread()
-        old = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
+        stops = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
+        old = {sig: signal.signal(sig, on_stop) for sig in stops}
         self.rollouts = Rollouts(
             self.engine, self.sampler, self._draw, lambda: self.task_rng.bit_generator.state,
             cfg.run.max_staleness, self.iteration, cfg.run.iterations,
@@ -244,8 +250,8 @@ class Trainer:
             self._close_roles()
             raise
         finally:
-            if main_thread:
-                signal.signal(signal.SIGINT, old)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
             self.rollouts.close()
         if self.iteration < cfg.run.iterations:
             return self._interrupted()
