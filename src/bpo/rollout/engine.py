@@ -27,192 +27,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Protocol
 
-from bpo.branching import BranchPoint, BranchRule
-from bpo.rollout.budget import Budget, Compute, CostModel
-from bpo.sandbox.protocol import Observation, Sandbox, Snapshot
+from bpo.branching import BranchRule
+from bpo.rollout.branch import decide, decide_with_hindsight
+from bpo.rollout.budget import CostModel, root_width
+from bpo.rollout.budget import _round as _round  # re-exported: tests import it from here
+from bpo.rollout.config import ENTROPY_MODES, Prompter, RolloutConfig, SamplerPolicy
+from bpo.rollout.config import PromptState as PromptState  # re-exported
+from bpo.rollout.faults import RolloutError, _Fault, check_faults, checked_obs, end_rollout, fault
+from bpo.rollout.records import _Cursor, _Pending, _Rollout, _TreeRun
+from bpo.rollout.snapshots import abandon, release, restore, snapshot
+from bpo.sandbox.protocol import Sandbox
 from bpo.tree import Tree, Turn
 
 __all__ = ["ENTROPY_MODES", "Prompter", "RolloutConfig", "RolloutEngine", "RolloutError"]
-
-ENTROPY_MODES = ("mean", "first", "greedy")
-
-
-class PromptState(Protocol):
-    ids: tuple[int, ...]
-    """The whole context for the next action."""
-    new_ids: tuple[int, ...]
-    """Tokens appended after the action (all of ``ids`` after a start or a reset)."""
-    reset: bool
-
-
-class Prompter(Protocol):
-    """Builds the policy's context at the token level, append-only
-    (:class:`bpo.policy.prompts.PromptBuilder`)."""
-
-    def start(
-        self, instruction: str, observation: str, admissible: Sequence[str] | None
-    ) -> PromptState: ...
-
-    def extend(
-        self,
-        state: PromptState,
-        action_ids: Sequence[int],
-        observation: str,
-        admissible: Sequence[str] | None,
-    ) -> PromptState: ...
-
-
-class SamplerPolicy(Protocol):
-    """The part of :class:`bpo.policy.protocol.Policy` the engine uses."""
-
-    def sample(self, contexts, n=1, params=None): ...  # -> list[list[TurnSample]]
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    root_width: int = 1
-    """Children of the root: 1 = a single backbone (BPO default), N = an independent group."""
-    max_steps: int = 30
-    """Turns per rollout before it is truncated."""
-    budget: Budget = field(default_factory=Budget)
-    entropy: str = "first"
-    """Turn entropy fed to the branch rule: the first action token's ("first", default) or the
-    mean over the action's tokens ("mean"). The first token's entropy depends only on the state,
-    so the branch decision is causal and the backbone's action an exact i.i.d. sibling of the
-    forks. The mean also depends on the sampled action itself, which makes the decision look at
-    the backbone's own action: the exact study measured a bias (z = 5.8) with "mean" and none
-    with "first" (``bpo verify --engine-checks``). "greedy": the mean entropy along the greedy
-    continuation from the state (a second, temperature-0 call on the cached context): a
-    function of the state alone, so causal like "first", but it sees the decisions that come
-    after an almost certain first token (``move`` | ``east``/``west``), at the cost of the probe's
-    tokens, which count as generated tokens."""
-    concurrency: int = 8
-    """Trees grown at once (one sandbox each); their policy calls are batched together."""
-    policy_version: int = 0
-    fill_budget: bool = False
-    """Expected-budget mode, branching rules: widen the root (more backbones, each branching
-    under the rule) so that a tree's expected cost reaches the budget, as an independent group's
-    does; ``root_width`` is then the least width. Without it a stingy rule leaves budget unspent
-    and the tree is compared at less compute than the groups."""
-    max_root_width: int = 64
-    """Upper bound on the root's children when the budget decides them (groups and
-    ``fill_budget``)."""
-    max_retries: int = 2
-    """Times a rollout hit by a fault (the sandbox raised, returned a malformed result, or
-    could not restore) is started again from its snapshot (or from a reset) before it is
-    dropped; see :meth:`RolloutEngine.run` for what a drop means for the estimator."""
-    max_fault_frac: float = 0.25
-    """A batch stops with :class:`RolloutError` when more than this share of its rollouts is
-    dropped (judged at its end from 4 drops, or during it from 20): faults that common are a
-    broken setup, not noise."""
-    invalid_penalty: float = 0.0
-    """Subtracted from a turn's reward when its action is invalid: the sample ran out of
-    tokens before a stop token, or (where the sandbox lists admissible actions) the command is
-    not one of them. GiGPO's ALFWorld and WebShop runs use 0.1. Without it, tokens the parser
-    ignores cost nothing, and a policy can drift into never stopping (measured on the CPU demo:
-    tokens per turn 3.2 -> 6.9 in 12 iterations)."""
-
-    step_threads: int = 1
-    """Sandbox steps in flight at once, across trees: 1 = one after another; more where a
-    step waits on another process or machine (Ray sandbox actors, containers)."""
-
-    def __post_init__(self) -> None:
-        if self.step_threads < 1:
-            raise ValueError(f"step_threads must be >= 1, got {self.step_threads}")
-        if self.root_width < 1:
-            raise ValueError(f"root_width must be >= 1, got {self.root_width}")
-        if self.max_root_width < self.root_width and self.fill_budget:
-            raise ValueError(
-                f"max_root_width ({self.max_root_width}) must be >= root_width ({self.root_width})"
-            )
-        if self.entropy not in ENTROPY_MODES:
-            raise ValueError(
-                f"unknown entropy mode {self.entropy!r}; valid: {', '.join(ENTROPY_MODES)}"
-            )
-        if self.max_steps < 1 or self.concurrency < 1:
-            raise ValueError("max_steps and concurrency must be >= 1")
-        if self.max_retries < 0 or not 0.0 <= self.max_fault_frac <= 1.0:
-            raise ValueError("max_retries must be >= 0 and max_fault_frac in [0, 1]")
-
-
-@dataclass
-class _Pending:
-    node: int
-    snapshot: Snapshot
-    forks_left: int
-    depth: int
-
-
-@dataclass
-class _Cursor:
-    node: int
-    depth: int
-    observation: Observation
-    fork_start: bool
-    """True when the next sample is a fork's action at an existing branch node."""
-
-
-@dataclass
-class _Rollout:
-    """The rollout in flight: where it started and what the tree held then, so that a fault
-    can undo it and start it again."""
-
-    start: int
-    """The node it acts from first."""
-    nodes: int
-    """Nodes in the tree when it started (it owns the later ones)."""
-    pending: int
-    backbone: int
-    """Lengths of the tree's branch queue and ablation list when it started."""
-    snapshot: Snapshot | None
-    """Where it restarts from (None: the root backbone, restarted by a reset)."""
-    owns_snapshot: bool
-    """The snapshot's last fork: release it when this rollout is over."""
-    depth: int
-    fork_start: bool
-    branches: int = 0
-    """The tree's branch count when it started."""
-    attempts: int = 0
-
-
-class RolloutError(RuntimeError):
-    """Too many rollouts of a batch were lost to faults, or the policy kept failing."""
-
-
-class _Fault(Exception):
-    """A sandbox result that breaks the protocol (wrapped so that it is handled as a fault)."""
-
-
-@dataclass
-class _TreeRun:
-    """One task's tree in progress, with its sandbox."""
-
-    tree: Tree
-    sandbox: Sandbox
-    compute: Compute = field(default_factory=Compute)
-    pending: deque[_Pending] = field(default_factory=deque)
-    cursor: _Cursor | None = None
-    branches: int = 0
-    wanted: int = 0
-    """Rollouts the branch rule asked for (run, or refused by the budget)."""
-    root_width: int = 1
-    current: _Rollout | None = None
-    broken: bool = False
-    """The sandbox failed to restore or reset: no further rollout can start in it."""
-    dirty: bool = False
-    """A release failed: the sandbox is replaced when the tree is done."""
-    restarted: bool = False
-    """Started over in a fresh sandbox after a broken one left it no complete rollout."""
-    started: float = field(default_factory=time.perf_counter)
-    backbone: list[tuple[BranchPoint, Snapshot, int]] = field(default_factory=list)
-    prompts: dict[int, PromptState] = field(default_factory=dict)
-    """The prompt state at each non-terminal node (the context its actions were sampled from)."""
-    rng: random.Random | None = None
-    """Rounds the budget's fractional rollout counts (:func:`_round`); seeded by the tree's
-    seed, so it is independent of the samples and reproducible."""
 
 
 class RolloutEngine:
@@ -282,7 +110,7 @@ class RolloutEngine:
                     if run.cursor is None and not self._next_rollout(run):
                         del live[i]
                         if run.broken:
-                            self._abandon(run)
+                            abandon(run)
                             run.sandbox = self._replace(run.sandbox)
                         if run.tree.leaves() != [0]:
                             done[i] = self._finish(run)
@@ -300,28 +128,17 @@ class RolloutEngine:
                         else:  # not one complete rollout
                             self.faults["failed_trees"] += 1
                         free.append(run.sandbox)
-                self._check_faults(final=not (todo or live))
+                check_faults(self.faults, self.config.max_fault_frac, final=not (todo or live))
         except BaseException:
             # an error that retries cannot absorb (the policy, too many faults, Ctrl-C) aborts
             # the batch: the trees in flight give back their snapshots, or the sandboxes
             # (reused by the next run) would hold them for good
             for run in live.values():
-                self._abandon(run)
+                abandon(run)
             raise
         self.rule.end_iteration()
         self.costs.end_iteration()
         return [done[i] for i in range(len(tasks)) if i in done]
-
-    def _check_faults(self, final: bool) -> None:
-        """Over the bound: at the end of the batch (at least 4 lost), or already during it
-        once the loss is beyond doubt (at least 20 lost)."""
-        f, cap = self.faults, self.config.max_fault_frac
-        lost = f["failed_rollouts"]
-        if lost >= (4 if final else 20) and lost > cap * max(f["rollouts"], 1):
-            raise RolloutError(
-                f"{lost} of {f['rollouts']} rollouts were lost to sandbox faults (more than "
-                f"max_fault_frac={cap}); check the sandbox (bpo check-sandbox) or its resources"
-            )
 
     def _replace(self, sandbox: Sandbox | None) -> Sandbox:
         """A fresh sandbox in place of a broken one (closed, errors ignored)."""
@@ -355,7 +172,7 @@ class RolloutEngine:
         for attempt in range(self.config.max_retries + 1):
             try:
                 t0 = time.perf_counter()
-                obs = self._checked_obs(sandbox.reset(task, seed))
+                obs = checked_obs(sandbox.reset(task, seed))
                 break
             except Exception:
                 if attempt == self.config.max_retries:
@@ -375,7 +192,7 @@ class RolloutEngine:
         run.wanted = width
         if width >= 2:
             run.tree.nodes[0].branch_k = width
-            run.pending.append(_Pending(0, self._snapshot(run), width - 1, 0))
+            run.pending.append(_Pending(0, snapshot(run), width - 1, 0))
             run.branches += 1
         run.cursor = _Cursor(0, 0, obs, fork_start=width >= 2)
         run.current = _Rollout(0, 1, len(run.pending), 0, None, False, 0, width >= 2, run.branches)
@@ -384,54 +201,8 @@ class RolloutEngine:
         return run
 
     def _root_width(self, rng: random.Random | None) -> int:
-        """Children of the root, fixed before any of them is sampled, from the costs of other,
-        finished trees (causal). In the expected-budget mode an independent group (a rule that
-        never branches) gets as many episodes as the budget buys at the expected episode cost
-        (at least ``min_rollouts``, at most ``root_width``); with ``fill_budget`` a branching
-        tree gets as many backbones as the budget buys at the expected cost of a backbone with
-        the forks its rule asks for (at least ``root_width``, at most ``max_root_width``).
-        "As many as the budget buys" is rounded at random (:func:`_round`), so that the
-        expected cost matches the budget: rounding down left up to one backbone's cost unspent
-        per tree (BPO spent 0.71x the groups' tokens in the default comparison)."""
-        cfg, b = self.config, self.config.budget
-        if b.mode != "expected":
-            return cfg.root_width
-        if getattr(self.rule, "k", 2) == 1:
-            if cfg.root_width < 2:
-                return cfg.root_width
-            n = _round(b.amount / max(self.costs.rollout_cost(b.unit, 0), 1e-9), rng)
-            return max(b.min_rollouts, min(cfg.root_width, n))
-        per_child = self.costs.root_child_cost(b.unit) if cfg.fill_budget else None
-        if per_child is None:
-            return cfg.root_width
-        n = _round(b.amount / max(per_child, 1e-9), rng)
-        return max(cfg.root_width, min(cfg.max_root_width, n))
-
-    def _reserved(self, run: _TreeRun) -> float:
-        """Expected cost still to come from queued forks and the rollout in flight (expected
-        mode; the hard mode reserves nothing)."""
-        if self.config.budget.mode != "expected":
-            return 0.0
-        unit = self.config.budget.unit
-        tree = run.tree
-        total = sum(
-            p.forks_left * self.costs.rollout_cost(unit, tree.nodes[p.node].step)
-            for p in run.pending
-        )
-        if run.cursor is not None:
-            total += self.costs.rollout_cost(unit, tree.nodes[run.cursor.node].step)
-        return total
-
-    def _cap(self, run: _TreeRun, k: int, step: int) -> int:
-        """Largest K <= k whose K - 1 forks fit in the budget left (expected mode), the number
-        of forks that fit rounded at random (:func:`_round`); the budget never cuts what is
-        already queued, so K is fixed before any child is sampled."""
-        b = self.config.budget
-        if b.mode != "expected" or k < 2:
-            return k
-        avail = b.amount - b.used(run.compute) - self._reserved(run)
-        fork = max(self.costs.rollout_cost(b.unit, step), 1e-9)
-        return min(k, 1 + _round(max(avail, 0.0) / fork, run.rng))
+        """Children of the root (:func:`bpo.rollout.budget.root_width`)."""
+        return root_width(self.config, self.rule, self.costs, rng)
 
     def _turn(self, runs: list[_TreeRun]) -> None:
         """1. batch the policy over every tree's cursor; 2. branch decision; 3. step sandboxes."""
@@ -458,7 +229,7 @@ class RolloutEngine:
             try:
                 todo.append((run, s, self._prepare(run, s, probe)))
             except Exception:
-                self._fault(run)
+                fault(run, self.config.max_retries, self.faults)
         stepped = self._step_all([(run, action) for run, _, action in todo])
         for (run, s, action), (res, seconds) in zip(todo, stepped, strict=True):
             run.compute.sandbox_seconds += seconds
@@ -467,7 +238,7 @@ class RolloutEngine:
                     raise res
                 self._record(run, s, action, res)
             except Exception:
-                self._fault(run)
+                fault(run, self.config.max_retries, self.faults)
 
     def _step_all(self, steps: list[tuple[_TreeRun, str]]) -> list[tuple[object, float]]:
         """Each tree's sandbox takes its action: one after another, or ``step_threads`` at a
@@ -519,7 +290,7 @@ class RolloutEngine:
         if node.entropy is None:
             node.entropy = ent
         if not cur.fork_start:
-            self._decide(run, cur, ent)
+            decide(run, cur, ent, self.rule, self.config, self.costs)
         return self.parse_action(s.text, cur.observation.admissible)
 
     def _record(self, run: _TreeRun, s, action: str, res) -> None:
@@ -531,7 +302,7 @@ class RolloutEngine:
         if not (isinstance(getattr(res, "reward", None), (int, float))
                 and math.isfinite(res.reward)):  # fmt: skip
             raise _Fault(f"step returned a malformed result: {res!r}"[:300])
-        self._checked_obs(res.observation)
+        checked_obs(res.observation)
         run.compute.sandbox_steps += 1
         cfg = self.config
         penalty = 0.0
@@ -570,54 +341,21 @@ class RolloutEngine:
         if done:
             run.compute.leaves += 1
             run.cursor = None
-            self._end_rollout(run)
+            end_rollout(run)
         else:
             run.cursor = _Cursor(child, cur.depth, res.observation, fork_start=False)
-
-    def _decide(self, run: _TreeRun, cur: _Cursor, entropy: float) -> None:
-        """The branch rule at the cursor's state (before its action is applied)."""
-        point = BranchPoint(
-            step=run.tree.nodes[cur.node].step,
-            entropy=entropy,
-            depth=cur.depth,
-            branches_so_far=run.branches,
-            budget_left=self.config.budget.left(run.compute, self._reserved(run)),
-            horizon=self.config.max_steps,
-        )
-        if not self.rule.causal:
-            if cur.depth == 0:  # the ablation looks at the finished backbone: keep every state
-                run.backbone.append((point, self._snapshot(run), cur.node))
-            return
-        want = int(self.rule.decide(point))
-        k = self._cap(run, want, point.step)
-        run.wanted += max(want - 1, 0)
-        if k >= 2:
-            run.tree.nodes[cur.node].branch_k = k
-            run.pending.append(_Pending(cur.node, self._snapshot(run), k - 1, cur.depth + 1))
-            run.branches += 1
 
     def _next_rollout(self, run: _TreeRun) -> bool:
         """Start the next queued fork if the budget allows; False when the tree is complete."""
         if run.backbone:  # non-causal ablation: choose branch points now, with hindsight
-            chosen = self.rule.select([p for p, _, _ in run.backbone])
-            for point, snap, node in run.backbone:
-                want = chosen.get(point.step, 1)
-                run.wanted += max(want - 1, 0)
-                k = self._cap(run, want, point.step)
-                if k >= 2:
-                    run.tree.nodes[node].branch_k = k
-                    run.pending.append(_Pending(node, snap, k - 1, 1))
-                    run.branches += 1
-                else:
-                    self._release(run, snap)
-            run.backbone = []
+            decide_with_hindsight(run, self.rule, self.config.budget, self.costs)
         budget = self.config.budget
         while run.pending and not run.broken:
             p = run.pending[0]
             spent = budget.used(run.compute) >= budget.amount
             if budget.mode == "hard" and spent and run.compute.episodes >= budget.min_rollouts:
                 for q in run.pending:
-                    self._release(run, q.snapshot)
+                    release(run, q.snapshot)
                 run.pending.clear()
                 return False
             p.forks_left -= 1
@@ -629,76 +367,15 @@ class RolloutEngine:
             run.compute.episodes += 1
             self.faults["rollouts"] += 1
             try:
-                obs = self._checked_obs(self._restore(run, p.snapshot))
+                obs = checked_obs(restore(run, p.snapshot))
             except Exception:
-                self._fault(run)
+                fault(run, self.config.max_retries, self.faults)
                 if run.cursor is None:
                     continue  # dropped: the next queued fork, if the sandbox still works
                 return True
             run.cursor = _Cursor(p.node, p.depth, obs, fork_start=True)
             return True
         return False
-
-    # -- faults ------------------------------------------------------------------------------
-    @staticmethod
-    def _checked_obs(obs: object) -> Observation:
-        if not isinstance(getattr(obs, "text", None), str):
-            raise _Fault(f"the sandbox returned a malformed observation: {obs!r}"[:300])
-        return obs  # type: ignore[return-value]
-
-    def _end_rollout(self, run: _TreeRun) -> None:
-        cur = run.current
-        if cur is not None and cur.owns_snapshot and cur.snapshot is not None:
-            self._release(run, cur.snapshot)
-        run.current = None
-
-    def _fault(self, run: _TreeRun) -> None:
-        """The rollout in flight hit a fault: undo it, then start it again or drop it."""
-        cur = run.current
-        assert cur is not None
-        self._undo(run, cur)
-        cur.attempts += 1
-        while cur.attempts <= self.config.max_retries:
-            run.compute.retries += 1
-            self.faults["retries"] += 1
-            try:
-                if cur.snapshot is None:  # the root backbone: the task from its reset
-                    obs = self._checked_obs(run.sandbox.reset(run.tree.task, run.tree.seed))
-                else:
-                    obs = self._checked_obs(self._restore(run, cur.snapshot))
-            except Exception:
-                run.broken = True  # cannot get back to a known state in this sandbox
-                break
-            run.cursor = _Cursor(cur.start, cur.depth, obs, fork_start=cur.fork_start)
-            return
-        run.compute.failed_rollouts += 1
-        self.faults["failed_rollouts"] += 1
-        run.cursor = None
-        with contextlib.suppress(Exception):
-            self._end_rollout(run)
-        run.current = None
-        if run.broken:  # what is still queued cannot be restored here
-            self._abandon(run)
-
-    def _undo(self, run: _TreeRun, cur: _Rollout) -> None:
-        """Remove what the failed rollout added: its nodes, prompts, branch points (their
-        snapshots released) and, for a root backbone of width 1, the root's decision."""
-        tree = run.tree
-        while len(run.pending) > cur.pending:
-            with contextlib.suppress(Exception):
-                self._release(run, run.pending.pop().snapshot)
-        for _, snap, _ in run.backbone[cur.backbone :]:
-            with contextlib.suppress(Exception):
-                self._release(run, snap)
-        del run.backbone[cur.backbone :]
-        if cur.nodes < len(tree):
-            tree.truncate(cur.nodes)
-        for node in [n for n in run.prompts if n >= cur.nodes]:
-            del run.prompts[node]
-        if cur.snapshot is None and run.root_width < 2:
-            tree.nodes[0].branch_k = 1
-        run.branches = cur.branches
-        run.cursor = None
 
     def _finish(self, run: _TreeRun) -> Tree:
         tree = run.tree
@@ -713,40 +390,6 @@ class RolloutEngine:
         self.costs.observe_tree(c, run.wanted, run.root_width)
         return tree
 
-    # -- snapshots -------------------------------------------------------------------------
-    def _snapshot(self, run: _TreeRun) -> Snapshot:
-        t0 = time.perf_counter()
-        snap = run.sandbox.snapshot()
-        run.compute.snapshot_seconds += time.perf_counter() - t0
-        run.compute.snapshots += 1
-        return snap
-
-    def _restore(self, run: _TreeRun, snap: Snapshot) -> Observation:
-        t0 = time.perf_counter()
-        obs = run.sandbox.restore(snap)
-        run.compute.snapshot_seconds += time.perf_counter() - t0
-        run.compute.restores += 1
-        return obs
-
-    def _release(self, run: _TreeRun, snap: Snapshot) -> None:
-        try:
-            run.sandbox.release(snap)
-        except Exception:
-            run.dirty = True  # its snapshots are no longer accounted for: replace it after
-
-    def _abandon(self, run: _TreeRun) -> None:
-        """Release every snapshot a dropped tree still holds; errors here are secondary."""
-        snaps = [p.snapshot for p in run.pending] + [s for _, s, _ in run.backbone]
-        cur = run.current
-        if cur is not None and cur.owns_snapshot and cur.snapshot is not None:
-            snaps.append(cur.snapshot)  # the last fork's snapshot, held until it is over
-        run.pending.clear()
-        run.backbone = []
-        run.current = None
-        for snap in snaps:
-            with contextlib.suppress(Exception):
-                run.sandbox.release(snap)
-
 
 def _turn_entropy(entropies: Sequence[float], mode: str) -> float:
     if not entropies:
@@ -754,13 +397,3 @@ def _turn_entropy(entropies: Sequence[float], mode: str) -> float:
     if mode == "first":
         return float(entropies[0])
     return float(sum(entropies) / len(entropies))
-
-
-def _round(x: float, rng: random.Random | None) -> int:
-    """``x`` rounded down or up at random, up with probability its fractional part, so that
-    the expected result is ``x``: a budget that buys 2.6 rollouts buys 3 in 60% of trees (the
-    draw is independent of the samples, so the decision stays causal). Down without ``rng``."""
-    n = math.floor(x)
-    if rng is not None and rng.random() < x - n:
-        n += 1
-    return int(n)
