@@ -25,12 +25,12 @@ class _Fault(Exception):
 def check_faults(faults: dict[str, int], max_fault_frac: float, final: bool) -> None:
     """Over the bound: at the end of the batch (at least 4 lost), or already during it
     once the loss is beyond doubt (at least 20 lost)."""
-    f, cap = faults, max_fault_frac
-    lost = f["failed_rollouts"]
-    if lost >= (4 if final else 20) and lost > cap * max(f["rollouts"], 1):
+    lost = faults["failed_rollouts"]
+    if lost >= (4 if final else 20) and lost > max_fault_frac * max(faults["rollouts"], 1):
         raise RolloutError(
-            f"{lost} of {f['rollouts']} rollouts were lost to sandbox faults (more than "
-            f"max_fault_frac={cap}); check the sandbox (bpo check-sandbox) or its resources"
+            f"{lost} of {faults['rollouts']} rollouts were lost to sandbox faults (more than "
+            f"max_fault_frac={max_fault_frac}); check the sandbox (bpo check-sandbox) or its "
+            "resources"
         )
 
 
