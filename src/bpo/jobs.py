@@ -1,0 +1,126 @@
+"""``bpo compare``'s job runner: its warm starts and method runs, one after another in this
+process or several at once in spawned processes (each with a log file and its share of the CPU
+threads), with Ctrl-C and SIGTERM passed on to the runs, and SIGTERM sent to them when ``bpo
+compare`` dies."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bpo.config import Config
+
+__all__ = ["Jobs", "default_jobs", "in_child", "term_with_parent"]
+
+
+def in_child(log: Path, threads: int, parent: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` in a pool process: its output (file descriptors 1 and 2, so a sandbox's
+    subprocesses too) goes to ``log``, and torch gets ``threads`` threads. When ``bpo
+    compare`` (process ``parent``) dies, even by SIGKILL, the run gets SIGTERM: it checkpoints
+    and stops, instead of running on as an orphan that a rerun would race."""
+    term_with_parent(parent)
+    import torch
+
+    torch.set_num_threads(threads)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    return fn(*args)
+
+
+def term_with_parent(parent: int) -> None:
+    """SIGTERM to this process, once, when its parent dies (Linux ``PR_SET_PDEATHSIG``;
+    elsewhere nothing: Ctrl-C still reaches every run, a kill of the parent alone does not).
+    The kernel sends the death signal again each time the child passes to another thread of
+    the dying parent, and a second SIGTERM stops ``bpo train`` at once, without its
+    checkpoint: so the death signal is SIGUSR1, turned into one SIGTERM here."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        def on_parent_death(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGUSR1, on_parent_death)
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGUSR1)
+    if os.getppid() != parent:  # it died before the request took effect
+        raise SystemExit("bpo compare stopped before this run started")
+
+
+class Jobs:
+    """Runs compare's jobs in this process (``jobs=1``: live progress, Ctrl-C as in ``bpo
+    train``) or in ``jobs`` fresh processes at once, each with ``cpu_count // jobs`` torch
+    threads and its output in a log file (the runs are independent: on a CPU machine, where a
+    tiny model's kernels do not use many cores well, two runs on one core each finish sooner
+    than two runs in a row on two). Ctrl-C reaches every child, which checkpoints and stops as
+    ``bpo train`` does; ``bpo compare`` then continues where they stopped. SIGTERM to ``bpo
+    compare`` is passed on to the runs (the same clean stop), and a run whose ``bpo compare``
+    died gets one (:func:`term_with_parent`)."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
+        self.threads = max(1, (os.cpu_count() or 1) // jobs)
+        self.pool: Any = None
+        if jobs > 1:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))  # read at child start
+            self.pool = ProcessPoolExecutor(
+                jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=1
+            )
+
+    def map(self, calls: list[tuple[str, Path, Callable[..., Any], tuple]]) -> list[Any]:
+        """``calls``: (label, log file, function, args); results in order."""
+        if self.pool is None:
+            return [fn(*args) for _, _, fn, args in calls]
+        import multiprocessing as mp
+        from concurrent.futures import as_completed
+
+        def on_term(signum: int, frame: Any) -> None:
+            for child in mp.active_children():  # the pool's processes
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGTERM)  # type: ignore[arg-type]
+            raise KeyboardInterrupt
+
+        t0 = time.perf_counter()
+        futures = {}
+        for label, log, fn, args in calls:
+            futures[self.pool.submit(in_child, log, self.threads, os.getpid(), fn, *args)] = label
+            print(f"[compare] queued {label} (output: {log})")
+        results = {}
+        old = signal.signal(signal.SIGTERM, on_term)
+        try:
+            for done, fut in enumerate(as_completed(futures), 1):
+                results[fut] = fut.result()
+                print(f"[compare] finished {futures[fut]} ({done}/{len(futures)}, "
+                      f"{time.perf_counter() - t0:.0f}s)")  # fmt: skip
+        finally:
+            signal.signal(signal.SIGTERM, old)
+        return [results[f] for f in futures]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+
+def default_jobs(cfg: Config) -> int:
+    """Runs at once when ``--jobs`` is not given: one per CPU core, at most 8, on a CPU-only
+    config; 1 when it uses a GPU or a Ray cluster."""
+    import torch
+
+    device = cfg.policy.device
+    gpu = torch.cuda.is_available() if device == "auto" else not device.startswith("cpu")
+    if cfg.cluster.address or gpu:
+        return 1
+    return max(1, min(8, os.cpu_count() or 1))
