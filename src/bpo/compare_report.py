@@ -132,7 +132,7 @@ def _write_report(out: Path, summary: dict[str, Any], curves: dict[str, Any]) ->
         )
     lines += ["", f"Ratios (BPO / best baseline): `{json.dumps(summary['ratios'])}`", ""]
     try:
-        from bpo.report import plot_curves
+        from bpo.curves import plot_curves
     except ImportError:  # the plotting module is optional for the summary itself
         plot_curves = None
     if plot_curves is not None:
