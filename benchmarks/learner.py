@@ -15,7 +15,8 @@ Each shape is a batch of ``--trees`` synthetic trees (random token ids; turns of
 Layouts: ``forest`` = :func:`bpo.packing.pack_forest` as the learner packs it
 (``max_row_tokens`` = 2048: trees share a row up to that, never wider than the largest tree;
 dense tree mask), ``forest/row`` = one tree per row, ``paths`` = :func:`bpo.packing.pack_paths`
-(one causal row per leaf, padded to the longest). Time = forward of ``token_logprobs`` + the
+(one causal row per leaf, no mask). Rows end at their last scored token and come longest
+first; each row chunk is padded only to its own longest row. Time = forward of ``token_logprobs`` + the
 clipped loss + backward over the learner's row chunks (``row_chunks(packed, 2048)``), as
 ``Learner._step`` runs them minus the optimizer step: the fastest of ``--repeats`` passes
 after one warm-up, the layouts interleaved so that load changes hit them alike (on a shared
@@ -25,6 +26,10 @@ linear in tokens. Every layout's log-probs are compared with the paths layout's 
 difference, tolerance 1e-5). ``choose_layout`` is called as the learner calls it (the model's
 ``attention_pair_cost``, ``max_row_tokens`` 2048), next to its estimated cost ratio and to
 what the earlier rule (forest when unique <= 0.75 total tokens) picked.
+
+``--run RUN_DIR`` times batches of a run's own logged trees instead (``trees.jsonl``: run it with
+``run.log_trees`` = tasks per iteration; ``--run-trees`` trees per batch, as the learner's
+minibatches hold them) with the run's model.
 
 Targets (issue): the layout ``choose_layout`` picks is never slower than padding (paths); on
 long shared prefixes the forest's time ratio is within 1.25x of the ideal ratio.
@@ -168,9 +173,37 @@ def measure_shape(
     model: torch.nn.Module, shape: Shape, n_trees: int, repeats: int, seed: int
 ) -> list[dict[str, Any]]:
     """Every layout on one batch of trees of ``shape``; one row per layout."""
-    vocab = int(model.config.vocab_size)
     rng = np.random.default_rng(seed)
-    trees = make_trees(shape, n_trees, rng, vocab)
+    trees = make_trees(shape, n_trees, rng, int(model.config.vocab_size))
+    return measure_trees(model, shape.name, trees, repeats, rng, shape.long_prefix)
+
+
+def run_batches(run_dir: str, per_batch: int, batches: int) -> list[tuple[str, list[Tree]]]:
+    """Minibatches of a run's logged trees (``trees.jsonl``; log them all with
+    ``run.log_trees`` = the tasks per iteration): ``per_batch`` trees of one iteration each, as
+    the learner splits an iteration's trees into minibatches; the first ``batches`` of them."""
+    from bpo.view import load_trees
+
+    by_iter: dict[int, list[Tree]] = {}
+    for d in load_trees(run_dir):
+        by_iter.setdefault(int(d["iteration"]), []).append(Tree.from_dict(d))
+    out = []
+    for it, trees in sorted(by_iter.items()):
+        for b in range(0, len(trees) - per_batch + 1, per_batch):
+            out.append((f"run iter {it} batch {b // per_batch}", trees[b : b + per_batch]))
+    return out[:batches]
+
+
+def measure_trees(
+    model: torch.nn.Module,
+    label: str,
+    trees: Sequence[Tree],
+    repeats: int,
+    rng: np.random.Generator,
+    long_prefix: bool = False,
+) -> list[dict[str, Any]]:
+    """Every layout on one batch of trees; one row per layout."""
+    n_trees = len(trees)
     packs, pack_s = {}, {}
     for name, pack in LAYOUTS.items():
         laps = []
@@ -201,7 +234,7 @@ def measure_shape(
         t = min(times[name])
         rows.append(
             {
-                "shape": shape.name,
+                "shape": label,
                 "layout": name,
                 "trees": n_trees,
                 "rows": packed.num_rows,
@@ -222,7 +255,7 @@ def measure_shape(
                 "choose_layout": chosen,
                 "estimated_forest_over_paths": costs["forest"] / costs["paths"],
                 "token_ratio_rule": "forest" if unique <= 0.75 * total else "paths",
-                "long_prefix": shape.long_prefix,
+                "long_prefix": long_prefix,
             }
         )
     return rows
@@ -241,6 +274,52 @@ def load_model(smollm: bool, workdir: str) -> tuple[str, torch.nn.Module]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config._attn_implementation = "sdpa"
     return label, model.train()
+
+
+def load_run_model(run_dir: str) -> tuple[str, torch.nn.Module]:
+    """A run's model as it starts: ``RUN_DIR/init-model`` for ``policy.model=tiny``, else the
+    configured model path (timing needs the shapes, not the trained weights)."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        model_cfg = yaml.safe_load(f)["policy"]["model"]
+    path = os.path.join(run_dir, "init-model") if model_cfg == "tiny" else model_cfg
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    return f"{model_cfg} model of {os.path.basename(os.path.normpath(run_dir))}", model.train()
+
+
+def time_updates(
+    run_dir: str, label: str, model: torch.nn.Module, repeats: int
+) -> list[dict[str, Any]]:
+    """Seconds of ``Learner.update`` on each logged iteration's trees, as the run's trainer
+    calls it (its learner config and estimator, a KL reference when ``kl_coef`` > 0); the
+    model is reset to the same weights before every pass."""
+    import copy
+
+    from bpo.config import load_config
+    from bpo.learner import Learner
+    from bpo.view import load_trees
+
+    cfg = load_config(os.path.join(run_dir, "config.yaml"), [])
+    by_iter: dict[int, list[Tree]] = {}
+    for d in load_trees(run_dir):
+        by_iter.setdefault(int(d["iteration"]), []).append(Tree.from_dict(d))
+    start = copy.deepcopy(model.state_dict())
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.learner.kl_coef > 0 else None
+    out = []
+    for it, trees in sorted(by_iter.items()):
+        times = []
+        for _ in range(repeats):
+            model.load_state_dict(start)
+            learner = Learner(model, cfg.learner, ref_model=ref)
+            t0 = time.perf_counter()
+            learner.update(trees, cfg.estimator.name, **cfg.estimator.options)
+            times.append(time.perf_counter() - t0)
+        out.append({"model": label, "iteration": it, "trees": len(trees),
+                    "seconds": min(times), "seconds_median": statistics.median(times)})  # fmt: skip
+    return out
 
 
 def verdicts(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -338,6 +417,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--run", help="time batches of this run's logged trees (its own model config)")
+    p.add_argument("--run-trees", type=int, default=4, help="trees per batch of --run")
+    p.add_argument("--run-batches", type=int, default=4, help="batches of --run to time")
+    p.add_argument("--run-updates", action="store_true",
+                   help="with --run: time the learner's whole update() per logged iteration, with "
+                   "the run's learner config (KL reference included)")  # fmt: skip
     a = p.parse_args(argv)
     if a.quick:
         a.trees, a.repeats, a.smollm_trees, a.smollm_repeats = 3, 1, 1, 1
@@ -349,6 +434,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as workdir:
+        if a.run and a.run_updates:
+            label, model = load_run_model(a.run)
+            rows = time_updates(a.run, label, model, a.repeats)
+            for r in rows:
+                print(f"{r['iteration']}: trees {r['trees']}, min {r['seconds']:.2f} s, "
+                      f"median {r['seconds_median']:.2f} s")  # fmt: skip
+            if a.json:
+                write_json(a.json, "learner_updates", rows, settings=vars(a))
+            return 0
+        if a.run:
+            label, model = load_run_model(a.run)
+            for name, trees in run_batches(a.run, a.run_trees, a.run_batches):
+                print(f"  {label} / {name} ...", file=sys.stderr, flush=True)
+                rng = np.random.default_rng(a.seed)
+                for row in measure_trees(model, name, trees, a.repeats, rng):
+                    rows.append({"model": label, **row})
+            shapes = []
         for smollm in [False, True] if a.smollm else [False]:
             if a.no_tiny and not smollm:
                 continue

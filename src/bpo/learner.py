@@ -138,6 +138,8 @@ class Learner:
         )
         self.updates = 0
         self.bad_in_a_row = 0
+        self._ref_logp: dict[tuple[int, int], torch.Tensor] | None = None
+        """The reference's log-probs per (batch, row chunk), kept during one update()."""
 
     # -- phases 2-4 ----------------------------------------------------------------------------
     def pack(self, trees: Sequence[Tree]) -> Packed:
@@ -163,10 +165,14 @@ class Learner:
         batches, terms = self._prepare(trees, estimator, estimator_options, cfg.minibatches)
         logs: dict[str, list[float]] = {}
         self.model.train()
-        for _ in range(cfg.epochs):
-            for packed, tt in batches:
-                for k, v in self._step(packed, tt).items():
-                    logs.setdefault(k, []).append(v)
+        self._ref_logp = {}  # the batches live until the end of update(): their ids are stable
+        try:
+            for _ in range(cfg.epochs):
+                for packed, tt in batches:
+                    for k, v in self._step(packed, tt).items():
+                        logs.setdefault(k, []).append(v)
+        finally:
+            self._ref_logp = None
         if self.fsdp:
             gather_shards(self._params(), self._full_params)
         adv_all = np.concatenate([np.zeros(0)] + [t.advantage[1:] for t in terms if t is not None])
@@ -314,8 +320,14 @@ class Learner:
             idx = torch.as_tensor(sel, device=self.device)  # [A]
             ref = None
             if self.ref_model is not None and cfg.kl_coef > 0:
-                with torch.no_grad():
-                    ref, _, _ = token_logprobs(self.ref_model, packed, rows, cfg.temperature)
+                # the frozen reference's log-probs are the same in every epoch: computed once
+                key = (id(packed), rows.start)
+                ref = None if self._ref_logp is None else self._ref_logp.get(key)
+                if ref is None:
+                    with torch.no_grad():
+                        ref, _, _ = token_logprobs(self.ref_model, packed, rows, cfg.temperature)
+                    if self._ref_logp is not None:
+                        self._ref_logp[key] = ref
             out = policy_loss(
                 logp, tt["old"][idx], tt["adv"][idx], torch.ones_like(logp), tt["w"][idx],
                 clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logp=ref,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bpo.packing import Packed
+from bpo.packing import Packed, chunk_rows
 
 __all__ = ["model_device", "row_chunks", "token_logprobs"]
 
@@ -46,10 +46,11 @@ def token_logprobs(
     # would cost [rows, L, V] memory, 400 MB per 2048-token row at a 49k vocabulary
     keep = np.unique(a.pred[sel])
     mask = packed.attention_mask
+    width = int(packed.row_lengths[rows].max())  # the chunk's longest row: the rest is padding
     out = model(
-        input_ids=packed.input_ids[rows].to(dev),
-        position_ids=packed.position_ids[rows].to(dev),
-        attention_mask=None if mask is None else mask[rows].to(dev),
+        input_ids=packed.input_ids[rows, :width].to(dev),
+        position_ids=packed.position_ids[rows, :width].to(dev),
+        attention_mask=None if mask is None else mask[rows, :, :width, :width].to(dev),
         use_cache=False,
         output_hidden_states=hidden is not None,
         logits_to_keep=torch.as_tensor(keep, device=dev),
@@ -69,8 +70,8 @@ def token_logprobs(
 
 
 def row_chunks(packed: Packed, max_tokens: int) -> list[slice]:
-    """Consecutive row ranges whose padded size (rows x width) stays within ``max_tokens``
-    (at least one row each): independent rows are forwarded as a batch."""
-    width = int(packed.input_ids.shape[1])
-    per = max(1, max_tokens // max(width, 1))
-    return [slice(r, min(r + per, packed.num_rows)) for r in range(0, packed.num_rows, per)]
+    """Consecutive row ranges whose padded size (rows x the range's longest row) stays within
+    ``max_tokens`` (at least one row each; :func:`bpo.packing.chunk_rows`): independent rows
+    are forwarded as a batch, padded only to their own longest row (:func:`token_logprobs`
+    cuts the columns there). The packers put rows longest first, so neighbours are alike."""
+    return chunk_rows(packed.row_lengths, max_tokens)

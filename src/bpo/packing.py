@@ -36,6 +36,7 @@ __all__ = [
     "Packed",
     "attention_pair_cost",
     "choose_layout",
+    "chunk_rows",
     "layout_costs",
     "pack_forest",
     "pack_paths",
@@ -65,6 +66,10 @@ class Packed:
     edges: list[tuple[int, int]]  # global edge index -> (tree index, node index)
     computed_tokens: int
     """Tokens the model computes (unique tokens for the forest, sum of paths when padded)."""
+    row_lengths: np.ndarray
+    """[R] int64: each row's tokens before its padding. Rows come longest first, so that
+    :func:`bpo.logprobs.row_chunks` can cut them into chunks each padded only to its own
+    longest row."""
 
     @property
     def num_rows(self) -> int:
@@ -121,6 +126,39 @@ def _is_chain(prev: Sequence[int]) -> bool:
     return all(p == t - 1 for t, p in enumerate(prev))
 
 
+_Row = tuple[list[int], list[int], list[tuple[int, int, int, int]]]
+"""A packed row before padding: token ids, each token's predecessor (-1: none), and each scored
+token's (position, edge, predictor position, token id)."""
+
+
+def _finish_rows(rows: list[_Row]) -> list[_Row]:
+    """Rows as they are packed: each ends at its last scored token (what follows, such as a
+    leaf's final observation, predicts nothing the loss reads), longest first (stable; see
+    :attr:`Packed.row_lengths`)."""
+    cut = [
+        (ids[: end + 1], prev[: end + 1], acts)
+        for ids, prev, acts in rows
+        for end in [max((pos for pos, _, _, _ in acts), default=len(ids) - 1)]
+    ]
+    return sorted(cut, key=lambda row: -len(row[0]))
+
+
+def chunk_rows(lengths: Sequence[int], max_tokens: int) -> list[slice]:
+    """Consecutive row ranges whose padded size (rows x the range's longest row) stays within
+    ``max_tokens``, at least one row each: the row chunks the learner forwards as batches."""
+    chunks: list[slice] = []
+    start = width = 0
+    for r, n in enumerate(lengths):
+        w = max(width, int(n))
+        if r > start and (r - start + 1) * w > max_tokens:
+            chunks.append(slice(start, r))
+            start, w = r, int(n)
+        width = w
+    if len(lengths):
+        chunks.append(slice(start, len(lengths)))
+    return chunks
+
+
 def _to_packed(
     rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]],
     edges: list[tuple[int, int]],
@@ -128,6 +166,7 @@ def _to_packed(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> Packed:
+    rows = _finish_rows(rows)
     width = max(len(ids) for ids, _, _ in rows)
     r = len(rows)
     causal = all(_is_chain(prev) for _, prev, _ in rows)
@@ -170,6 +209,7 @@ def _to_packed(
         torch.as_tensor(input_ids, device=device),
         torch.as_tensor(position_ids, device=device),
         mask, actions, edges, computed,
+        np.array([len(ids) for ids, _, _ in rows], dtype=np.int64),
     )  # fmt: skip
 
 
@@ -186,10 +226,18 @@ def pack_forest(
     is padded to that width anyway and attention costs the square of a row's width (four
     512-token trees in one 2048-token row took 2.7x as long as four rows; BENCHMARKS.md).
     The tensors are made on ``device``."""
+    rows, edges = _forest_rows(trees, max_row_tokens)
+    return _to_packed(rows, edges, pad_id, dtype, device)
+
+
+def _forest_rows(
+    trees: Sequence[Tree], max_row_tokens: int | None
+) -> tuple[list[_Row], list[tuple[int, int]]]:
+    """:func:`pack_forest`'s rows (unpadded) and edges."""
     edges: list[tuple[int, int]] = []
     forests = [_tree_tokens(tree) for tree in trees]
     cap = _row_cap([len(ids) for ids, _, _ in forests], max_row_tokens)
-    rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = []
+    rows: list[_Row] = []
     for t, (ids, prev, acts) in enumerate(forests):
         node_edge: dict[int, int] = {}
         for _, node, _ in acts:
@@ -209,7 +257,7 @@ def pack_forest(
             if pred < 0:
                 raise ValueError(f"tree {t} node {node}: an action token has no context before it")
             row_acts.append((pos + off, node_edge[node], pred, row_ids[pos + off]))
-    return _to_packed(rows, edges, pad_id, dtype, device)
+    return rows, edges
 
 
 def _row_cap(lengths: Sequence[int], max_row_tokens: int | None) -> int:
@@ -217,18 +265,6 @@ def _row_cap(lengths: Sequence[int], max_row_tokens: int | None) -> int:
     if not max_row_tokens or not lengths:
         return 0
     return min(max_row_tokens, max(lengths))
-
-
-def _shared_rows(lengths: Sequence[int], max_row_tokens: int | None) -> list[int]:
-    """Row widths :func:`pack_forest` makes from trees of these token counts."""
-    cap = _row_cap(lengths, max_row_tokens)
-    rows: list[int] = []
-    for n in lengths:
-        if rows and rows[-1] + n <= cap:
-            rows[-1] += n
-        else:
-            rows.append(n)
-    return rows
 
 
 def pack_paths(
@@ -244,8 +280,14 @@ def pack_paths(
     from the old context) and starts a new row with the new context. This is the reference
     the packed forest must equal, and the faster layout when trees share little. The tensors
     are made on ``device``."""
+    rows, edges = _path_rows(trees)
+    return _to_packed(rows, edges, pad_id, dtype, device)
+
+
+def _path_rows(trees: Sequence[Tree]) -> tuple[list[_Row], list[tuple[int, int]]]:
+    """:func:`pack_paths`'s rows (unpadded) and edges."""
     edges: list[tuple[int, int]] = []
-    rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]] = []
+    rows: list[_Row] = []
 
     def flush(ids: list[int], acts: list[tuple[int, int, int, int]]) -> None:
         if acts:
@@ -278,7 +320,7 @@ def pack_paths(
                     ids, acts = [], []
                 ids.extend(node.obs_ids)
             flush(ids, acts)
-    return _to_packed(rows, edges, pad_id, dtype, device)
+    return rows, edges
 
 
 SDPA_MASK_OVERHEAD = 4.0
@@ -286,6 +328,10 @@ SDPA_MASK_OVERHEAD = 4.0
 CPU) than its multiply-adds suggest, relative to the linear layers: a least-squares fit over
 rows of 320-2176 tokens of a tiny model gave 3.0 (BENCHMARKS.md, Learner); rounded up, which
 leans towards the padded layout when the estimate is close."""
+CAUSAL_PAIR_SHARE = 0.25
+"""A mask-free causal row's cost per attended pair relative to a dense-masked row's (sdpa's
+causal kernel skips the blocks above the diagonal and reads no mask): set from the fit in
+BENCHMARKS.md (Learner, "Mask-free paths")."""
 DEFAULT_PAIR_COST = 1e-3
 """Cost of one attended (query, key) pair in units of one token position through the model,
 for :func:`choose_layout` when it is given no model: SmolLM2-135M's by
@@ -315,28 +361,24 @@ def attention_pair_cost(config: object) -> float:
 def layout_costs(
     trees: Sequence[Tree], pair_cost: float = DEFAULT_PAIR_COST, max_row_tokens: int | None = None
 ) -> dict[str, float]:
-    """Estimated forward + backward cost of each layout, in token positions: every row is
-    padded to the widest one, and each row costs its width plus ``pair_cost`` * width^2 (dense
-    attention). Forest rows are grouped as :func:`pack_forest` groups them with
-    ``max_row_tokens``; paths are root-to-leaf sequences (context resets ignored)."""
-    forest_rows: list[int] = []
-    path_rows: list[int] = []
-    for tree in trees:
-        lens: dict[int, int] = {}
-        unique = 0
-        for i, node in enumerate(tree.nodes):
-            own = len(node.obs_ids) + (len(node.turn.action_ids) if node.turn else 0)
-            lens[i] = own + (lens[node.parent] if i else 0)
-            unique += own
-        forest_rows.append(unique)
-        path_rows += [lens[leaf] for leaf in tree.leaves()]
-    forest_rows = _shared_rows(forest_rows, max_row_tokens)
-
-    def cost(rows: list[int]) -> float:
-        width = max(rows, default=0)
-        return len(rows) * (width + pair_cost * width * width)
-
-    return {"forest": cost(forest_rows), "paths": cost(path_rows)}
+    """Estimated forward + backward cost of each layout, in token positions, for the rows the
+    packers make and the chunks the learner forwards (:func:`chunk_rows` with
+    ``max_row_tokens``, 2048 when None): a chunk of r rows padded to width w costs
+    r * (w + c * w^2), with c = ``pair_cost`` for the forest's dense-masked rows and
+    ``pair_cost * CAUSAL_PAIR_SHARE`` for the paths' mask-free causal rows."""
+    budget = max_row_tokens or 2048
+    costs = {}
+    for name, rows, c in (
+        ("forest", _forest_rows(trees, max_row_tokens)[0], pair_cost),
+        ("paths", _path_rows(trees)[0], pair_cost * CAUSAL_PAIR_SHARE),
+    ):
+        lengths = [len(ids) for ids, _, _ in _finish_rows(rows)]
+        total = 0.0
+        for chunk in chunk_rows(lengths, budget):
+            width = lengths[chunk.start]  # rows come longest first
+            total += (chunk.stop - chunk.start) * (width + c * width * width)
+        costs[name] = total
+    return costs
 
 
 def choose_layout(

@@ -1,15 +1,18 @@
 """Learner: packed (token forest) log-probs and gradients equal the independent computation;
 one update changes every trainable parameter."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
 from bpo.learner import Learner, LearnerConfig, NonFiniteError, token_logprobs
-from bpo.packing import choose_layout, pack_forest, pack_paths
+from bpo.logprobs import row_chunks
+from bpo.packing import choose_layout, chunk_rows, layout_costs, pack_forest, pack_paths
 from bpo.testing import random_tree, tiny_causal_lm
 from bpo.token_terms import gae_terms
-from bpo.tree import Turn
+from bpo.tree import Tree, Turn
 
 VOCAB = 64
 
@@ -207,6 +210,66 @@ def test_forest_shares_rows_up_to_the_largest_tree():
         torch.testing.assert_close(forest[key], paths[key], atol=1e-5, rtol=1e-5)
 
 
+def test_rows_end_at_their_last_scored_token_longest_first():
+    rng = np.random.default_rng(9)
+    trees = [random_tree(rng, prefix=30, k=3, depth=2), random_tree(rng, prefix=4, k=2, depth=3)]
+    for t in trees:  # a final observation after every leaf: nothing reads it
+        for leaf in t.leaves():
+            t.nodes[leaf].obs_ids += tuple(rng.integers(1, VOCAB, 7).tolist())
+    for packed in (pack_paths(trees), pack_forest(trees)):
+        lengths = packed.row_lengths
+        assert list(lengths) == sorted(lengths, reverse=True)
+        assert packed.input_ids.shape[1] == lengths[0]
+        for r, n in enumerate(lengths):  # the row's last token is a scored action token
+            assert n - 1 == max(p for p, row in zip(packed.actions.pred, packed.actions.row,
+                                                      strict=True) if row == r) + 1  # fmt: skip
+    assert pack_forest(trees).computed_tokens < sum(
+        len(n.obs_ids) + (len(n.turn.action_ids) if n.turn else 0) for t in trees for n in t.nodes
+    )
+
+
+@pytest.mark.parametrize("layout", ["forest", "paths"])
+def test_row_chunks_padded_to_their_own_width_give_the_same_logprobs(layout):
+    rng = np.random.default_rng(10)
+    trees = [random_tree(rng, prefix=int(rng.integers(2, 40)), k=2, depth=2) for _ in range(5)]
+    pack = pack_paths if layout == "paths" else (lambda ts: pack_forest(ts, max_row_tokens=50))
+    packed = pack(trees)
+    model = tiny()
+    whole = edge_logps(model, packed)  # one chunk, padded to the longest row
+    chunks = row_chunks(packed, 60)
+    assert len(chunks) > 2 and chunks[0].start == 0 and chunks[-1].stop == packed.num_rows
+    assert all(a.stop == b.start for a, b in itertools.pairwise(chunks))
+    for c in chunks:  # within the budget, unless one row alone exceeds it
+        width = int(packed.row_lengths[c].max())
+        assert (c.stop - c.start) * width <= 60 or c.stop - c.start == 1
+    widths = {int(packed.row_lengths[c].max()) for c in chunks}
+    assert len(widths) > 1  # the later chunks are narrower than the first
+    parts: dict = {}
+    for c in chunks:
+        logp, _, sel = token_logprobs(model, packed, c)
+        for lp, s in zip(logp, sel, strict=True):
+            parts.setdefault(packed.edges[packed.actions.edge[s]], []).append(lp)
+    assert parts.keys() == whole.keys()
+    for key in whole:
+        torch.testing.assert_close(torch.stack(parts[key]), whole[key], atol=1e-5, rtol=1e-5)
+
+
+def test_chunk_rows_and_layout_costs():
+    assert chunk_rows([], 10) == []
+    assert chunk_rows([20, 4, 3, 3, 2], 10) == [slice(0, 1), slice(1, 3), slice(3, 5)]
+    rng = np.random.default_rng(11)
+    shared = [random_tree(rng, prefix=200, k=4, depth=2)]  # a long prompt, short branches
+    costs = layout_costs(shared, pair_cost=1e-3, max_row_tokens=2048)
+    assert costs["forest"] < costs["paths"] and choose_layout(shared, 1e-3, 2048) == "forest"
+    group = Tree("g")  # GRPO's group: 8 long episodes that share a 2-token prompt
+    group.add_root([1, 2])
+    for _ in range(8):
+        u = group.add_child(0, Turn((3, 4), (-0.1, -0.1), (0.5, 0.5), "a", 0.0), [5] * 300)
+        group.add_child(u, Turn((6,), (-0.1,), (0.5,), "a", 1.0, terminated=True), [])
+    costs = layout_costs([group], pair_cost=1e-3, max_row_tokens=2048)
+    assert costs["paths"] < costs["forest"] and choose_layout([group], 1e-3, 2048) == "paths"
+
+
 def test_warmup_ramps_the_learning_rate_linearly():
     rng = np.random.default_rng(3)
     trees = [random_tree(rng), random_tree(rng)]
@@ -233,3 +296,18 @@ def test_kl_to_the_reference_is_zero_until_the_policy_moves():
     assert m["loss/kl"] > 0
     with pytest.raises(ValueError, match="reference model"):
         Learner(tiny(), LearnerConfig(kl_coef=0.1))
+
+
+def test_the_reference_is_forwarded_once_per_update_not_per_epoch():
+    rng = np.random.default_rng(5)
+    trees = [random_tree(rng) for _ in range(4)]
+    calls = []
+    ref = tiny()
+    ref.register_forward_hook(lambda *_: calls.append(1))
+    cfg = LearnerConfig(lr=1e-2, kl_coef=0.1, epochs=3, minibatches=2, layout="paths")
+    learner = Learner(tiny(), cfg, ref_model=ref)
+    learner.update(trees, "bpo")
+    assert len(calls) == 2  # one row chunk per minibatch, once for all three epochs
+    assert learner._ref_logp is None  # nothing kept between updates
+    learner.update(trees, "bpo")
+    assert len(calls) == 4
