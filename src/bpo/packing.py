@@ -329,9 +329,12 @@ CPU) than its multiply-adds suggest, relative to the linear layers: a least-squa
 rows of 320-2176 tokens of a tiny model gave 3.0 (BENCHMARKS.md, Learner); rounded up, which
 leans towards the padded layout when the estimate is close."""
 CAUSAL_PAIR_SHARE = 0.25
-"""A mask-free causal row's cost per attended pair relative to a dense-masked row's (sdpa's
-causal kernel skips the blocks above the diagonal and reads no mask): set from the fit in
-BENCHMARKS.md (Learner, "Mask-free paths")."""
+"""A mask-free causal row's cost per attended pair relative to a dense-masked row's: an
+estimate, not a fit (sdpa's causal kernel skips the blocks above the diagonal, half the pairs,
+and reads no mask, whose overhead :data:`SDPA_MASK_OVERHEAD` puts at 4x; 0.125 by that
+reckoning, doubled to lean towards the forest). One measurement backs it: 1.5x faster
+forward + backward without the mask on 32 x 384 rows of the tiny model (BENCHMARKS.md,
+Learner, finding 7)."""
 DEFAULT_PAIR_COST = 1e-3
 """Cost of one attended (query, key) pair in units of one token position through the model,
 for :func:`choose_layout` when it is given no model: SmolLM2-135M's by
