@@ -262,8 +262,8 @@ def test_fork_keeps_the_global_random_state():
 
 
 def test_fork_processes_restore_release_and_close():
-    # children of this process from earlier tests (a multiprocessing resource tracker lives as
-    # long as its parent) are not this sandbox's
+    # children of this process from earlier tests are not this sandbox's (the web sandbox's
+    # shared local shop, bpo.sandbox.envs.web._local_shop, lives until this process exits)
     before = {p.pid for p in descendants()}
     sb = make_env("toy", "fork")
     server, first = sb.server_pid, sb.engine_pid
