@@ -65,7 +65,8 @@ class Packed:
     actions: ActionTokens
     edges: list[tuple[int, int]]  # global edge index -> (tree index, node index)
     computed_tokens: int
-    """Tokens the model computes (unique tokens for the forest, sum of paths when padded)."""
+    """Tokens the model computes, padding excluded (each row up to its last scored token: the
+    forest's unique tokens, or the paths' sum)."""
     row_lengths: np.ndarray
     """[R] int64: each row's tokens before its padding. Rows come longest first, so that
     :func:`bpo.logprobs.row_chunks` can cut them into chunks each padded only to its own
@@ -160,7 +161,7 @@ def chunk_rows(lengths: Sequence[int], max_tokens: int) -> list[slice]:
 
 
 def _to_packed(
-    rows: list[tuple[list[int], list[int], list[tuple[int, int, int, int]]]],
+    rows: list[_Row],
     edges: list[tuple[int, int]],
     pad_id: int,
     dtype: torch.dtype,
