@@ -16,8 +16,8 @@ Layouts: ``forest`` = :func:`bpo.packing.pack_forest` as the learner packs it
 (``max_row_tokens`` = 2048: trees share a row up to that, never wider than the largest tree;
 dense tree mask), ``forest/row`` = one tree per row, ``paths`` = :func:`bpo.packing.pack_paths`
 (one causal row per leaf, no mask). Rows end at their last scored token and come longest
-first; each row chunk is padded only to its own longest row. Time = forward of ``token_logprobs`` + the
-clipped loss + backward over the learner's row chunks (``row_chunks(packed, 2048)``), as
+first; each row chunk is padded only to its own longest row. Time = forward of
+``token_logprobs`` + the clipped loss + backward over the learner's row chunks (``row_chunks(packed, 2048)``), as
 ``Learner._step`` runs them minus the optimizer step: the fastest of ``--repeats`` passes
 after one warm-up, the layouts interleaved so that load changes hit them alike (on a shared
 machine the minimum is the estimate least disturbed by other jobs; the median is beside it).
@@ -178,17 +178,22 @@ def measure_shape(
     return measure_trees(model, shape.name, trees, repeats, rng, shape.long_prefix)
 
 
-def run_batches(run_dir: str, per_batch: int, batches: int) -> list[tuple[str, list[Tree]]]:
-    """Minibatches of a run's logged trees (``trees.jsonl``; log them all with
-    ``run.log_trees`` = the tasks per iteration): ``per_batch`` trees of one iteration each, as
-    the learner splits an iteration's trees into minibatches; the first ``batches`` of them."""
+def run_trees(run_dir: str) -> dict[int, list[Tree]]:
+    """A run's logged trees (``trees.jsonl``) by iteration, in iteration order."""
     from bpo.view import load_trees
 
     by_iter: dict[int, list[Tree]] = {}
     for d in load_trees(run_dir):
         by_iter.setdefault(int(d["iteration"]), []).append(Tree.from_dict(d))
+    return dict(sorted(by_iter.items()))
+
+
+def run_batches(run_dir: str, per_batch: int, batches: int) -> list[tuple[str, list[Tree]]]:
+    """Minibatches of a run's logged trees (log them all with ``run.log_trees`` = the tasks per
+    iteration): ``per_batch`` trees of one iteration each, as the learner splits an iteration's
+    trees into minibatches; the first ``batches`` of them."""
     out = []
-    for it, trees in sorted(by_iter.items()):
+    for it, trees in run_trees(run_dir).items():
         for b in range(0, len(trees) - per_batch + 1, per_batch):
             out.append((f"run iter {it} batch {b // per_batch}", trees[b : b + per_batch]))
     return out[:batches]
@@ -279,11 +284,11 @@ def load_model(smollm: bool, workdir: str) -> tuple[str, torch.nn.Module]:
 def load_run_model(run_dir: str) -> tuple[str, torch.nn.Module]:
     """A run's model as it starts: ``RUN_DIR/init-model`` for ``policy.model=tiny``, else the
     configured model path (timing needs the shapes, not the trained weights)."""
-    import yaml
     from transformers import AutoModelForCausalLM
 
-    with open(os.path.join(run_dir, "config.yaml")) as f:
-        model_cfg = yaml.safe_load(f)["policy"]["model"]
+    from bpo.config import load_config
+
+    model_cfg = load_config(os.path.join(run_dir, "config.yaml"), []).policy.model
     path = os.path.join(run_dir, "init-model") if model_cfg == "tiny" else model_cfg
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config._attn_implementation = "sdpa"
@@ -300,16 +305,12 @@ def time_updates(
 
     from bpo.config import load_config
     from bpo.learner import Learner
-    from bpo.view import load_trees
 
     cfg = load_config(os.path.join(run_dir, "config.yaml"), [])
-    by_iter: dict[int, list[Tree]] = {}
-    for d in load_trees(run_dir):
-        by_iter.setdefault(int(d["iteration"]), []).append(Tree.from_dict(d))
     start = copy.deepcopy(model.state_dict())
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.learner.kl_coef > 0 else None
     out = []
-    for it, trees in sorted(by_iter.items()):
+    for it, trees in run_trees(run_dir).items():
         times = []
         for _ in range(repeats):
             model.load_state_dict(start)
@@ -450,8 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rng = np.random.default_rng(a.seed)
                 for row in measure_trees(model, name, trees, a.repeats, rng):
                     rows.append({"model": label, **row})
-            shapes = []
-        for smollm in [False, True] if a.smollm else [False]:
+        synthetic = [] if a.run else [False, True] if a.smollm else [False]  # SmolLM2 or not
+        for smollm in synthetic:
             if a.no_tiny and not smollm:
                 continue
             label, model = load_model(smollm, workdir)

@@ -148,13 +148,12 @@ def chunk_rows(lengths: Sequence[int], max_tokens: int) -> list[slice]:
     """Consecutive row ranges whose padded size (rows x the range's longest row) stays within
     ``max_tokens``, at least one row each: the row chunks the learner forwards as batches."""
     chunks: list[slice] = []
-    start = width = 0
+    start = width = 0  # the open chunk's first row and longest row so far
     for r, n in enumerate(lengths):
-        w = max(width, int(n))
-        if r > start and (r - start + 1) * w > max_tokens:
+        if r > start and (r - start + 1) * max(width, int(n)) > max_tokens:
             chunks.append(slice(start, r))
-            start, w = r, int(n)
-        width = w
+            start, width = r, 0
+        width = max(width, int(n))
     if len(lengths):
         chunks.append(slice(start, len(lengths)))
     return chunks
