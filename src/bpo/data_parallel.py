@@ -86,6 +86,18 @@ class DataParallel:
         """From an initialised process group (None = the default group)."""
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
+    def close(self, *, clean: bool = True) -> None:
+        """End the default group (``from_env``'s) before the process exits. Without it, rank 0's
+        exit closes the rendezvous store under the other ranks' gloo threads, which then abort
+        at interpreter exit ("terminate called without an active exception", SIGABRT; 3 exits in
+        20 in a two-rank reproduction, 0 in 30 with this). ``clean``: every rank got here (wait
+        for all first); False after an error, when another rank may never arrive."""
+        if self.group is not None or not dist.is_initialized():
+            return  # a caller's own group: theirs to end
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
+
     def shard(self, n: int) -> list[int]:
         """This rank's items of ``n``: ``i % world == rank``."""
         return list(range(self.rank, n, self.world))

@@ -6,14 +6,16 @@ It loads the config (the demo config, a file, or with ``--resume`` the run's own
 for every rank), runs the trainer (in Ray roles when ``cluster.address`` is set) and turns what
 stops it into an exit status: 2 for bad input, 1 for a run stopped by sandbox faults or
 non-finite losses (its checkpoints intact, named in the message with the ``--resume`` command),
-130 for a second Ctrl-C.
+130 for a second Ctrl-C. Under torchrun every rank ends its process group before it exits.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -27,8 +29,6 @@ __all__ = ["default_config_path", "main"]
 
 
 def main(argv: list[str]) -> int:
-    import argparse
-
     # here, not at the top: bpo.train re-exports this module's main; the help's description is
     # the training loop's summary line
     from bpo import train
@@ -40,6 +40,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", help="run directory (default: runs/<method>-<time>)")
     args = ap.parse_args(argv)
     run_dir = Path(args.resume or args.out or ".")
+    code = 1
+    try:
+        code = _train(args, run_dir, train)
+        return code
+    finally:
+        if torch.distributed.is_initialized():  # torchrun: every rank ends its process group
+            DataParallel.from_group().close(clean=code == 0)
+
+
+def _train(args: argparse.Namespace, run_dir: Path, train: ModuleType) -> int:
     try:
         if args.resume:
             run_dir = Path(args.resume)
