@@ -14,6 +14,7 @@ uniforms, drawn from CPU generators so that a seed gives the same draws on any d
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -75,6 +76,9 @@ class BatchRunner:
 
     def __init__(self, model: torch.nn.Module, pad_id: int, max_batch_tokens: int) -> None:
         self.model = model
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x warns; 5.40 drops the
+        # old name); older versions know only the old one
+        self.cache_kw = cache_keyword(model)
         self.pad_id = pad_id
         self.max_batch_tokens = max_batch_tokens
         param = next(model.parameters())
@@ -166,7 +170,7 @@ class BatchRunner:
             input_ids=ids,
             attention_mask=attention_bias(allowed, self.dtype),  # [R, 1, S, W]
             position_ids=pos,
-            past_key_values=buffer_cache(kv, plan),
+            **{self.cache_kw: buffer_cache(kv, plan)},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -249,10 +253,18 @@ class BatchRunner:
                 input_ids=torch.where(done, self.pad_id, step.tokens)[:, None],  # [B, 1]
                 attention_mask=attention_bias(allowed, self.dtype),  # [B, 1, 1, col + 1]
                 position_ids=(lengths + fed)[:, None],
-                past_key_values=buffer_cache(kv, plan),
+                **{self.cache_kw: buffer_cache(kv, plan)},
                 use_cache=True,
                 logits_to_keep=1,
             )
             logits = out.logits[:, -1].float()  # [B, V]
             self.padded_tokens += int(done.sum())
             fed += 1
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name under which ``model.forward`` takes a KV cache in this transformers version
+    (a peft wrapper passes keywords through to its base model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
