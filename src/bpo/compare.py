@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from bpo.compare_report import append_variance, summarize
 from bpo.config import Config, ConfigError, load_config
-from bpo.jobs import Jobs, default_jobs
+from bpo.jobs import Call, Jobs, default_jobs
 
 __all__ = ["METHODS", "main", "summarize"]
 
@@ -96,25 +95,28 @@ def _train_method(config: str, overrides: list[str], run: Path, before_path: Pat
     )  # fmt: skip
 
 
-def _variance_study(
-    cfg_for: Callable[[str], Config], out: Path, methods: Sequence[str], batches: int, seed: int
-) -> dict[str, Any]:
-    """Gradient variance of every method at the warm-started policy (one seed)."""
-    from bpo.analysis.gradvar import gradient_study
+def _variance_method(
+    method: str, cfg: Config, out: Path, batches: int, seed: int
+) -> dict[str, np.ndarray]:
+    """One method's part of the gradient-variance study at the warm-started policy:
+    ``batches`` batches of ``run.tasks_per_iteration`` trees, each turned into its policy
+    gradient's count sketch. Every method draws the same tasks and rollout seeds (one
+    generator from ``seed``): common random numbers, so the methods differ by their estimator
+    and tree shape, not by the draw. Saved to ``variance/<method>.npz``; a rerun of compare
+    reads it back."""
+    from bpo.analysis.gradvar import gradient_samples
     from bpo.train import Trainer
 
-    trainers: dict[str, Trainer] = {}
+    path = out / "variance" / f"{method}.npz"
+    if path.exists():
+        with np.load(path) as f:
+            return dict(f)
+    tr = Trainer(cfg, out / "variance" / method, write=False)
+    tr.setup()
     rng = np.random.default_rng(seed)
+    n = tr.cfg.run.tasks_per_iteration
 
-    def sample_batch(method: str, b: int) -> tuple[Any, float]:
-        if method not in trainers:
-            tr = Trainer(cfg_for(method), out / "variance" / method, write=False)
-            tr.setup()
-            tasks = [(t, 0) for t in tr.train_tasks[: tr.cfg.run.tasks_per_iteration]]
-            tr.engine.run(tasks)  # calibrates the budget's cost model; discarded
-            trainers[method] = tr
-        tr = trainers[method]
-        n = tr.cfg.run.tasks_per_iteration
+    def sample_batch(b: int) -> tuple[Any, float]:
         idx = rng.choice(len(tr.train_tasks), n, replace=len(tr.train_tasks) < n)
         trees = tr.engine.run([(tr.train_tasks[i], int(rng.integers(1 << 30))) for i in idx])
         est = tr.cfg.estimator
@@ -122,10 +124,16 @@ def _variance_study(
         return g, float(sum(t.meta["compute"].generated_tokens for t in trees))
 
     try:
-        return gradient_study(methods, sample_batch, batches, seed=seed)
+        tasks = [(t, 0) for t in tr.train_tasks[:n]]
+        tr.engine.run(tasks)  # calibrates the budget's cost model; discarded
+        samples = gradient_samples(sample_batch, batches, seed=seed)
     finally:
-        for tr in trainers.values():
-            tr.engine.close()
+        tr.engine.close()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **samples)
+    os.replace(tmp, path)
+    return samples
 
 
 def main(argv: list[str]) -> int:
@@ -169,12 +177,19 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"bpo compare: {e}")
         return 2
+    nvar = args.variance_batches if args.variance_batches is not None else (3 if args.quick else 6)
     jobs = Jobs(args.jobs or default_jobs(bases[seeds[0]]))
     try:
-        todo = [s for s in seeds if not (out / f"sft-seed{s}" / "eval_before.json").exists()]
-        jobs.map([(f"warm start seed {s}", out / f"sft-seed{s}" / "log.txt", _warm_start,
-                   (bases[s], out, s)) for s in todo])  # fmt: skip
-        calls = []
+        # one list, in priority order: warm starts, then each seed's runs as soon as its warm
+        # start is done, then the variance study's short jobs to fill the gaps at the end
+        calls: list[Call] = []
+        warm: dict[int, str | None] = {}
+        for s in seeds:
+            warm[s] = None
+            if not (out / f"sft-seed{s}" / "eval_before.json").exists():
+                warm[s] = f"warm start seed {s}"
+                calls.append((warm[s], out / f"sft-seed{s}" / "log.txt", _warm_start,
+                              (bases[s], out, s)))  # fmt: skip
         for s in seeds:
             model = out / f"sft-seed{s}" / "model"
             for m in methods:
@@ -185,34 +200,41 @@ def main(argv: list[str]) -> int:
                         "sft.episodes_per_task=0"]  # fmt: skip
                 before = out / f"sft-seed{s}" / "eval_before.json"
                 calls.append((f"{m} seed {s}", run / "log.txt", _train_method,
-                              (config, over, run, before)))  # fmt: skip
+                              (config, over, run, before), warm[s]))  # fmt: skip
+        if nvar > 0:  # at seed 0's warm-started policy
+            for m in methods:
+                cfg = load_config(
+                    config,
+                    [*common, *METHODS[m], "run.seed=0",
+                     f"policy.model={out / 'sft-seed0' / 'model'}", "sft.episodes_per_task=0"],
+                )  # fmt: skip
+                calls.append((f"variance {m}", out / "variance" / f"{m}.log", _variance_method,
+                              (m, cfg, out, nvar, 0), warm[0]))  # fmt: skip
         if jobs.pool is None:
-            for label, _, fn, a in calls:
-                print(f"[compare] {label} -> {a[2]}")
-                if fn(*a).get("interrupted"):
+            results = []
+            for label, _, fn, a, *_ in calls:
+                print(f"[compare] {label}")
+                results.append(fn(*a))
+                if isinstance(results[-1], dict) and results[-1].get("interrupted"):
                     print("bpo compare: interrupted; run the same command to continue")
                     return 0
-        elif any(r.get("interrupted") for r in jobs.map(calls)):
-            print("bpo compare: interrupted; run the same command to continue")
-            return 0
+        else:
+            results = jobs.map(calls)
+            if any(isinstance(r, dict) and r.get("interrupted") for r in results):
+                print("bpo compare: interrupted; run the same command to continue")
+                return 0
     except KeyboardInterrupt:
         print("bpo compare: interrupted; run the same command to continue")
         return 130
     finally:
         jobs.close()
     summary = summarize(out, methods, seeds)
-    nvar = args.variance_batches if args.variance_batches is not None else (3 if args.quick else 6)
     if nvar > 0:
-        model0 = out / "sft-seed0" / "model"
+        from bpo.analysis.gradvar import gradient_summary
 
-        def cfg_for(m: str) -> Config:
-            return load_config(
-                config,
-                [*common, *METHODS[m], "run.seed=0", f"policy.model={model0}",
-                 "sft.episodes_per_task=0"],
-            )  # fmt: skip
-
-        study = _variance_study(cfg_for, out, methods, nvar, seed=0)
+        samples = {c[0].removeprefix("variance "): r for c, r in zip(calls, results, strict=True)
+                   if c[0].startswith("variance ")}  # fmt: skip
+        study = gradient_summary(samples)
         summary["variance_study"] = study
         base = [m for m in methods if not m.startswith("bpo")]
         if "bpo" in study and base:

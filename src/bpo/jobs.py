@@ -16,7 +16,9 @@ from typing import Any
 
 from bpo.config import Config
 
-__all__ = ["Jobs", "default_jobs", "in_child", "term_with_parent"]
+__all__ = ["Call", "Jobs", "default_jobs", "in_child", "term_with_parent"]
+
+Call = tuple  # (label, log file, function, args) or (..., label of a call to wait for)
 
 
 def in_child(log: Path, threads: int, parent: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -80,12 +82,22 @@ class Jobs:
                 jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=1
             )
 
-    def map(self, calls: list[tuple[str, Path, Callable[..., Any], tuple]]) -> list[Any]:
-        """``calls``: (label, log file, function, args); results in order."""
+    def map(self, calls: list[Call]) -> list[Any]:
+        """``calls``: (label, log file, function, args[, after]), where ``after`` names an
+        earlier call that must finish first (a run after its seed's warm start). At most
+        ``jobs`` run at once; a free process takes the first call in list order whose
+        ``after`` has finished, so the list order is the priority (long runs first, short
+        jobs last to fill the gaps). Results in order."""
+        labels = [c[0] for c in calls]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"job labels must be unique: {labels}")
+        for i, c in enumerate(calls):
+            if len(c) > 4 and c[4] is not None and c[4] not in labels[:i]:
+                raise ValueError(f"job {c[0]!r} waits for {c[4]!r}, not an earlier job")
         if self.pool is None:
-            return [fn(*args) for _, _, fn, args in calls]
+            return [c[2](*c[3]) for c in calls]  # in list order, so every `after` is done
         import multiprocessing as mp
-        from concurrent.futures import as_completed
+        from concurrent.futures import FIRST_COMPLETED, wait
 
         def on_term(signum: int, frame: Any) -> None:
             for child in mp.active_children():  # the pool's processes
@@ -94,20 +106,36 @@ class Jobs:
             raise KeyboardInterrupt
 
         t0 = time.perf_counter()
-        futures = {}
-        for label, log, fn, args in calls:
-            futures[self.pool.submit(in_child, log, self.threads, os.getpid(), fn, *args)] = label
-            print(f"[compare] queued {label} (output: {log})")
-        results = {}
+        waiting = list(calls)
+        running: dict[Any, str] = {}
+        results: dict[str, Any] = {}
+
+        def start_ready() -> None:
+            for c in list(waiting):
+                if len(running) >= self.jobs:
+                    return
+                if len(c) > 4 and c[4] is not None and c[4] not in results:
+                    continue
+                label, log, fn, args = c[:4]
+                fut = self.pool.submit(in_child, log, self.threads, os.getpid(), fn, *args)
+                running[fut] = label
+                waiting.remove(c)
+                print(f"[compare] started {label} (output: {log})")
+
         old = signal.signal(signal.SIGTERM, on_term)
         try:
-            for done, fut in enumerate(as_completed(futures), 1):
-                results[fut] = fut.result()
-                print(f"[compare] finished {futures[fut]} ({done}/{len(futures)}, "
-                      f"{time.perf_counter() - t0:.0f}s)")  # fmt: skip
+            start_ready()
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    label = running.pop(fut)
+                    results[label] = fut.result()
+                    print(f"[compare] finished {label} ({len(results)}/{len(calls)}, "
+                          f"{time.perf_counter() - t0:.0f}s)")  # fmt: skip
+                start_ready()
         finally:
             signal.signal(signal.SIGTERM, old)
-        return [results[f] for f in futures]
+        return [results[label] for label in labels]
 
     def close(self) -> None:
         if self.pool is not None:

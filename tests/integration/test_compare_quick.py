@@ -45,6 +45,9 @@ def test_compare_quick_writes_summary_with_curves_and_ratios(tmp_path):
             assert "[iter 2/2]" in (run / "log.txt").read_text()
     study = summary["variance_study"]
     assert set(study) == set(methods)
+    for m in methods:  # each method's part of the study is its own job, saved for a rerun
+        assert f"finished variance {m}" in proc.stdout
+        assert (out / "variance" / f"{m}.npz").stat().st_size > 0
     assert all(s["batches"] == 2 for s in study.values())
     report = (out / "report.md").read_text()
     assert "held-out success" in report and "Estimator variance" in report

@@ -13,13 +13,13 @@ computable on a real sandbox.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["count_sketch", "gradient_study"]
+__all__ = ["count_sketch", "gradient_samples", "gradient_summary"]
 
 UNBIASED = ("bpo", "rloo", "bpo_prior")
 
@@ -34,38 +34,45 @@ def count_sketch(g: torch.Tensor, dim: int = 4096, seed: int = 0) -> np.ndarray:
     return out.numpy()
 
 
-def gradient_study(
-    methods: Sequence[str],
-    sample_batch: Callable[[str, int], tuple[torch.Tensor, float]],
+def gradient_samples(
+    sample_batch: Callable[[int], tuple[torch.Tensor, float]],
     batches: int,
     dim: int = 4096,
     seed: int = 0,
-) -> dict[str, dict[str, Any]]:
-    """``sample_batch(method, b) -> (flat gradient, cost of the batch)`` at a fixed policy."""
-    sketches: dict[str, list[np.ndarray]] = {}
-    norms: dict[str, list[float]] = {}
-    costs: dict[str, list[float]] = {}
-    for m in methods:
-        for b in range(batches):
-            g, cost = sample_batch(m, b)
-            sketches.setdefault(m, []).append(count_sketch(g, dim, seed))
-            norms.setdefault(m, []).append(float(g.norm()))
-            costs.setdefault(m, []).append(float(cost))
-    ref_pool = [s for m in methods if m in UNBIASED for s in sketches[m]] or [
-        s for m in methods for s in sketches[m]
+) -> dict[str, np.ndarray]:
+    """One method's part of the study: ``sample_batch(b) -> (flat gradient, cost of the
+    batch)`` at a fixed policy, for b < ``batches``; each gradient kept as its count sketch
+    (the same hash for every method: ``seed``). The parts of several methods may be drawn in
+    separate processes and combined by :func:`gradient_summary`."""
+    sketches, norms, costs = [], [], []
+    for b in range(batches):
+        g, cost = sample_batch(b)
+        sketches.append(count_sketch(g, dim, seed))
+        norms.append(float(g.norm()))
+        costs.append(float(cost))
+    return {"sketches": np.stack(sketches), "norms": np.asarray(norms), "costs": np.asarray(costs)}
+
+
+def gradient_summary(samples: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, Any]]:
+    """Per method (``samples``: method -> :func:`gradient_samples`' result): the trace of the
+    covariance of the batch gradient, that trace times the mean batch cost, the variance of the
+    gradient norm, and the mean cosine to the reference direction (the mean over every batch of
+    the unbiased methods present, else of all methods)."""
+    ref_pool = [x for m, d in samples.items() if m in UNBIASED for x in d["sketches"]] or [
+        x for d in samples.values() for x in d["sketches"]
     ]
     ref = np.mean(ref_pool, axis=0)
     out: dict[str, dict[str, Any]] = {}
-    for m in methods:
-        x = np.stack(sketches[m])  # [B, dim]
+    for m, d in samples.items():
+        x = d["sketches"]  # [B, dim]
         tr = float(np.var(x, axis=0, ddof=1).sum()) if len(x) > 1 else float("nan")
-        cost = float(np.mean(costs[m]))
+        cost = float(np.mean(d["costs"]))
         cos = [float(v @ ref / (np.linalg.norm(v) * np.linalg.norm(ref) + 1e-30)) for v in x]
         out[m] = {
             "trace_cov": tr,
             "cost_tokens": cost,
             "trace_cov_x_cost": tr * cost,
-            "grad_norm_var": float(np.var(norms[m], ddof=1)) if len(x) > 1 else float("nan"),
+            "grad_norm_var": float(np.var(d["norms"], ddof=1)) if len(x) > 1 else float("nan"),
             "cos_to_reference": float(np.mean(cos)),
             "batches": len(x),
         }
