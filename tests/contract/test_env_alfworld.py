@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from bpo.sandbox import SnapshotError, check_sandbox, list_tasks, make_env
+from bpo.sandbox.envs import alfworld_cache as cache
 from bpo.sandbox.envs import alfworld_games as games
 from bpo.sandbox.envs.alfworld import INVALID, AlfWorldEngine
 
@@ -106,7 +107,7 @@ def test_expert_wins_and_replans_off_its_path(engine):
             result = engine.step(action)
             obs, steps = result.observation, steps + 1
         assert result is not None and result.reward == 1.0 and result.terminated
-        assert steps == len(games.resolve(task).walkthrough)
+        assert steps == len(cache.resolve(task).walkthrough)
     obs = engine.reset(PLACE)
     detour = [a for a in obs.admissible if a != engine.expert_action()][:2]
     for action in detour:
@@ -172,11 +173,11 @@ def test_memoized_commands_equal_textworlds_and_argv_survives(engine):
 
 
 def test_generator_reproduces_a_shipped_game_and_is_deterministic():
-    shipped = games._shipped()[CLEAN]
-    gen = games.generate_problem(*games.parse_name(CLEAN))
+    shipped = cache._shipped()[CLEAN]
+    gen = games.generate_problem(*cache.parse_name(CLEAN))
     assert gen is not None and gen.digest == shipped["digest"]
-    assert games.generate_problem(*games.parse_name(CLEAN)).problem == gen.problem
-    walk, status, _ = games.solve_here(gen.problem, gen.goal_text)
+    assert games.generate_problem(*cache.parse_name(CLEAN)).problem == gen.problem
+    walk, status, _ = cache.solve_here(gen.problem, gen.goal_text)
     assert status == "solved" and walk == shipped["walkthrough"]
     other = games.generate_problem("pick_clean_then_place_in_recep", "FloorPlan426", 1)
     assert other is not None and other.problem != gen.problem
@@ -184,11 +185,11 @@ def test_generator_reproduces_a_shipped_game_and_is_deterministic():
 
 def test_default_lists_are_shipped_and_splits_use_disjoint_floor_plans(tmp_path):
     seen = {}
-    for split, per_type in games.DEFAULT_PER_TYPE.items():
+    for split, per_type in cache.DEFAULT_PER_TYPE.items():
         names = list_tasks("alfworld", split, cache_dir=str(tmp_path))
         assert len(names) == len(set(names)) == per_type * len(games.TASK_TYPES)
         assert {n.split("/")[0] for n in names} == set(games.TASK_TYPES)
-        assert all(games._shipped()[n]["status"] == "solved" for n in names)
+        assert all(cache._shipped()[n]["status"] == "solved" for n in names)
         seen[split] = {n.split("/")[1] for n in names}
     assert not list(tmp_path.iterdir())  # nothing had to be planned
     assert not (
@@ -204,7 +205,7 @@ def test_default_lists_are_shipped_and_splits_use_disjoint_floor_plans(tmp_path)
 
 def test_official_layout_data_dir_loads(tmp_path, monkeypatch):
     for task, split in ((PLACE, "train"), (CLEAN, "valid_unseen"), (LIGHT, "train")):
-        solved = games.resolve(task)
+        solved = cache.resolve(task)
         trial = games.write_official_layout(
             tmp_path, solved.problem, list(solved.walkthrough), split
         )
@@ -221,7 +222,7 @@ def test_official_layout_data_dir_loads(tmp_path, monkeypatch):
     eng = AlfWorldEngine(source="official")
     try:
         obs = eng.reset(test[0])
-        assert obs.instruction == f"Your task is to: {games.resolve(CLEAN).problem.goal_text}."
+        assert obs.instruction == f"Your task is to: {cache.resolve(CLEAN).problem.goal_text}."
         total = 0.0
         while (action := eng.expert_action()) is not None:
             total += eng.step(action).reward

@@ -4,7 +4,8 @@ The engine is textworld's ``PddlEnv`` (fast-downward's state registry underneath
 ALFWorld's domain, grammar and object naming (``Demangler``), exactly as ``AlfredTWEnv``
 plays it; observations, admissible commands and feedback are ALFWorld's. Games come from
 
-* **generated** ALFWorld-style games (default; :mod:`bpo.sandbox.envs.alfworld_games`).
+* **generated** ALFWorld-style games (default; :mod:`bpo.sandbox.envs.alfworld_games`, solved
+  and cached by :mod:`bpo.sandbox.envs.alfworld_cache`).
   They are *not* the official ALFWorld task instances, which need a download that is not
   available here; task names look like ``"pick_clean_then_place_in_recep/FloorPlan12/0"``;
 * the **official** games, when a user has them: ``data_dir`` (default ``$ALFWORLD_DATA``)
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from bpo.sandbox.envs import ENVS
+from bpo.sandbox.envs import ENVS, alfworld_cache
 from bpo.sandbox.envs import alfworld_games as games
 from bpo.sandbox.protocol import EnvSpec, Observation, Sandbox, SnapshotError, StepResult
 
@@ -440,7 +441,9 @@ class AlfWorldEngine:
 
     def _game_data(self, task: str) -> tuple[dict, tuple[str, ...] | None]:
         if task.split("/", 1)[0] in games.TASK_TYPES:
-            solved = games.resolve(task, self.options.cache_dir, self.options.planner_timeout)
+            solved = alfworld_cache.resolve(
+                task, self.options.cache_dir, self.options.planner_timeout
+            )
             if solved.problem is None:
                 raise ValueError(f"{task!r}: this floor plan cannot host that task type")
             gen = solved.problem
@@ -487,7 +490,7 @@ def list_alfworld_tasks(split: str, **options: Any) -> list[str]:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(OFFICIAL_SPLITS)}")
     if opts.source == "official":
         return official_tasks(split, opts.official_root(), opts.task_types)
-    return games.list_games(
+    return alfworld_cache.list_games(
         split, opts.per_type, opts.task_types, opts.cache_dir, opts.planner_timeout
     )
 
