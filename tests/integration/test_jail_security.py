@@ -133,7 +133,7 @@ def test_no_reads_or_writes_outside_the_workspace(
 def test_symlink_escape_through_the_tool_language(tmp_path: Path, record) -> None:
     """The engine reads and writes workspace files as the host: links the agent makes to host
     paths must not be followed by open/edit/create/search."""
-    from bpo.sandbox.envs.code import CodeEngine, _inside, _Usage  # noqa: F401
+    from bpo.sandbox.envs.code_tools import UsageError, inside
 
     base = tmp_path / "base"
     base.mkdir()
@@ -146,9 +146,9 @@ def test_symlink_escape_through_the_tool_language(tmp_path: Path, record) -> Non
         )
         root = Path(ws.path)
         for rel in ("abs", "rel", "d/root/etc/hostname", "../x", "/etc/hostname"):
-            with pytest.raises(_Usage, match=r"outside the workspace|not a path inside"):
-                _inside(root, rel)
-        assert _inside(root, "a.py") == root / "a.py"
+            with pytest.raises(UsageError, match=r"outside the workspace|not a path inside"):
+                inside(root, rel)
+        assert inside(root, "a.py") == root / "a.py"
         record(
             "symlink escape via open/edit",
             "ln -s HOST abs; open abs",

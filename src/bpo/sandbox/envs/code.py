@@ -38,9 +38,6 @@ import hashlib
 import os
 import re
 import shlex
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +45,18 @@ from typing import Any
 
 from bpo.sandbox.envs import ENVS
 from bpo.sandbox.envs import code_tasks as ct
+from bpo.sandbox.envs.code_bases import base_for, gold_files, task_index
+from bpo.sandbox.envs.code_tools import (
+    UNENCODABLE,
+    UsageError,
+    body_lines,
+    encodable,
+    inside,
+    render,
+    syntax_error,
+    walk_files,
+    write_text,
+)
 from bpo.sandbox.protocol import EnvSpec, Observation, Sandbox, StepResult
 from bpo.sandbox.workspace import Limits, open_workspace
 from bpo.sandbox.workspace.jail import WORKSPACE
@@ -164,8 +173,8 @@ class CodeEngine:
         if self._done:
             return self._result("The episode is over (submitted).", 0.0, True)
         self._steps += 1
-        if not _encodable(action):
-            return self._result(_UNENCODABLE, 0.0, False, self._steps >= self.max_steps)
+        if not encodable(action):
+            return self._result(UNENCODABLE, 0.0, False, self._steps >= self.max_steps)
         head, _, body = action.partition("\n")
         words = head.strip().split(maxsplit=1)
         cmd, arg = (words[0], words[1] if len(words) > 1 else "") if words else ("", "")
@@ -179,7 +188,7 @@ class CodeEngine:
             else:
                 shown = (head.strip()[:60] + "...") if len(head.strip()) > 60 else head.strip()
                 text = f"Unknown command {shown!r}. {HELP}"
-        except _Usage as e:
+        except UsageError as e:
             text = f"{e} {HELP}"
         except (OSError, UnicodeError) as e:  # e.g. create under a path that is a file
             text = f"{cmd} failed: {getattr(e, 'strerror', None) or e}."
@@ -209,13 +218,13 @@ class CodeEngine:
         if rel.startswith(WORKSPACE + "/"):
             rel = rel[len(WORKSPACE) + 1 :]
         if not rel or rel.startswith("/") or ".." in Path(rel).parts:
-            raise _Usage(f"{rel or 'an empty path'!r} is not a path inside the workspace.")
-        return _inside(Path(self._ws.path), rel)
+            raise UsageError(f"{rel or 'an empty path'!r} is not a path inside the workspace.")
+        return inside(Path(self._ws.path), rel)
 
     def _read(self, rel: str) -> list[str]:
         path = self._file(rel)
         if not path.is_file():
-            raise _Usage(f"No file {rel!r}.")
+            raise UsageError(f"No file {rel!r}.")
         return path.read_bytes().decode("utf-8", "surrogateescape").splitlines(keepends=True)
 
     def _show(self, rel: str, top: int) -> str:
@@ -235,20 +244,20 @@ class CodeEngine:
     def _open(self, arg: str, body: str) -> str:
         parts = arg.split()
         if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
-            raise _Usage("Usage: open PATH [LINE].")
+            raise UsageError("Usage: open PATH [LINE].")
         line = int(parts[1]) if len(parts) == 2 else 1
         return self._show(parts[0], line - self.window // 2 if len(parts) == 2 else 1)
 
     def _goto(self, arg: str, body: str) -> str:
         if self._view.path is None:
-            raise _Usage("No file is open; use open PATH first.")
+            raise UsageError("No file is open; use open PATH first.")
         if not arg.isdigit():
-            raise _Usage("Usage: goto LINE.")
+            raise UsageError("Usage: goto LINE.")
         return self._show(self._view.path, int(arg) - self.window // 2)
 
     def _scroll(self, delta: int) -> str:
         if self._view.path is None:
-            raise _Usage("No file is open; use open PATH first.")
+            raise UsageError("No file is open; use open PATH first.")
         return self._show(self._view.path, self._view.top + delta)
 
     def _search(self, arg: str, body: str) -> str:
@@ -257,15 +266,15 @@ class CodeEngine:
         except ValueError:
             parts = arg.split()
         if not parts or len(parts) > 2:
-            raise _Usage('Usage: search TEXT [PATH] (quote TEXT with spaces: search "a b").')
+            raise UsageError('Usage: search TEXT [PATH] (quote TEXT with spaces: search "a b").')
         needle = parts[0]
         start = self._file(parts[1]) if len(parts) == 2 else Path(self._ws.path)
         root = Path(self._ws.path)
-        files = [start] if start.is_file() else _walk_files(start)
+        files = [start] if start.is_file() else walk_files(start)
         hits: list[str] = []
         total = 0
         for f in files:
-            if f.is_symlink():  # never followed (see _inside)
+            if f.is_symlink():  # never followed (see inside)
                 continue
             try:
                 text = f.read_bytes().decode("utf-8")
@@ -284,44 +293,44 @@ class CodeEngine:
     def _edit(self, arg: str, body: str) -> str:
         m = _EDIT.fullmatch(arg)
         if m is None:
-            raise _Usage("Usage: edit [PATH] START:END, then the new lines.")
+            raise UsageError("Usage: edit [PATH] START:END, then the new lines.")
         rel = m.group(1) or self._view.path
         if rel is None:
-            raise _Usage("No file is open: name it, as in edit PATH START:END.")
+            raise UsageError("No file is open: name it, as in edit PATH START:END.")
         start, end = int(m.group(2)), int(m.group(3))
         lines = self._read(rel)
         if start < 1 or end < start - 1 or end > len(lines):
-            raise _Usage(f"Lines {start}:{end} are not in {rel} (1 to {len(lines)}).")
-        new = _body_lines(body)
+            raise UsageError(f"Lines {start}:{end} are not in {rel} (1 to {len(lines)}).")
+        new = body_lines(body)
         text = "".join(lines[: start - 1] + new + lines[end:])
-        error = _syntax_error(rel, text)
+        error = syntax_error(rel, text)
         if error:
             return f"Your edit was not applied: it would make {rel} invalid Python: {error}"
-        _write(self._file(rel), text)
+        write_text(self._file(rel), text)
         return self._show(rel, start - self.window // 2)
 
     def _create(self, arg: str, body: str) -> str:
         if not arg or len(arg.split()) != 1:
-            raise _Usage("Usage: create PATH, then the lines of the file.")
+            raise UsageError("Usage: create PATH, then the lines of the file.")
         path = self._file(arg)
         if path.is_dir():
-            raise _Usage(f"{arg!r} is a directory.")
+            raise UsageError(f"{arg!r} is a directory.")
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write(path, "".join(_body_lines(body)))
-        return f"Created {arg} ({len(_body_lines(body))} lines)."
+        write_text(path, "".join(body_lines(body)))
+        return f"Created {arg} ({len(body_lines(body))} lines)."
 
     def _run(self, arg: str, body: str) -> str:
         command = (arg + ("\n" + body if body else "")).strip()
         if not command:
-            raise _Usage("Usage: run COMMAND.")
+            raise UsageError("Usage: run COMMAND.")
         res = self._ws.run(command, self.limits)
-        return _render(res)
+        return render(res)
 
     def _test(self, arg: str, body: str) -> str:
         if not getattr(self._task, "test_command", ""):
-            raise _Usage("This task has no test command; run the tests with run COMMAND.")
+            raise UsageError("This task has no test command; run the tests with run COMMAND.")
         res = self._ws.run(f"{self._task.test_command} {arg}".strip(), self.test_limits)
-        return _DURATION.sub("", _render(res))
+        return _DURATION.sub("", render(res))
 
     def _submit(self) -> tuple[str, float]:
         if self.workspace_kind == "docker":
@@ -344,7 +353,7 @@ class CodeEngine:
         for rel, want in sorted(gold_files(self._task).items()):
             try:
                 have = self._read(rel)
-            except _Usage:
+            except UsageError:
                 return f"create {rel}\n" + "".join(want)
             if have != want:
                 ops = difflib.SequenceMatcher(a=have, b=want, autojunk=False).get_opcodes()
@@ -423,10 +432,6 @@ class CodeEngine:
             ) from None
 
 
-class _Usage(Exception):
-    """A tool was called wrongly: the message becomes the observation."""
-
-
 _TOOLS = {
     "open": CodeEngine._open,
     "goto": CodeEngine._goto,
@@ -438,153 +443,6 @@ _TOOLS = {
     "run": CodeEngine._run,
     "test": CodeEngine._test,
 }
-
-
-_UNENCODABLE = "Invalid action: it holds characters that are not valid text (lone surrogates)."
-
-
-def _encodable(text: str) -> bool:
-    """False for text that cannot be written as UTF-8 (paths, command lines, files)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _inside(root: Path, rel: str) -> Path:
-    """``root/rel`` with every symlink on the way resolved inside ``root``. This process reads
-    and writes the files as the host (through ``/proc/<pid>/root`` for overlay workspaces), so
-    a link the agent made to ``/etc/shadow`` must not be followed: absolute links and links
-    that climb out of the workspace are refused."""
-    if Path(rel).is_absolute():
-        raise _Usage(f"{rel!r} is not a path inside the workspace.")
-    parts = list(Path(rel).parts)
-    done: list[str] = []
-    hops = 0
-    while parts:
-        part = parts.pop(0)
-        if part in ("", "."):
-            continue
-        if part == "..":
-            if not done:
-                raise _Usage(f"{rel!r} points outside the workspace.")
-            done.pop()
-            continue
-        path = root.joinpath(*done, part)
-        if path.is_symlink():
-            hops += 1
-            target = os.readlink(path)
-            if hops > 40 or target.startswith("/"):
-                raise _Usage(f"{rel!r} is a link that points outside the workspace.")
-            parts = list(Path(target).parts) + parts
-            continue
-        done.append(part)
-    return root.joinpath(*done)
-
-
-def _body_lines(body: str) -> list[str]:
-    lines = body.splitlines(keepends=True)
-    if lines and lines[-1].strip() == "end_of_edit":
-        lines.pop()
-    if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n"
-    return lines
-
-
-def _syntax_error(rel: str, text: str) -> str | None:
-    if not rel.endswith(".py"):
-        return None
-    try:
-        compile(text, rel, "exec", dont_inherit=True)
-    except SyntaxError as e:
-        return f"{e.msg} (line {e.lineno})"
-    except ValueError as e:  # null bytes
-        return str(e)
-    return None
-
-
-def _write(path: Path, text: str) -> None:
-    with open(path, "wb") as f:  # in place: keeps the file's mode
-        f.write(text.encode("utf-8", "surrogateescape"))
-
-
-def _walk_files(start: Path) -> list[Path]:
-    out = []
-    for dirpath, dirs, files in os.walk(start):
-        dirs[:] = sorted(d for d in dirs if d != ".git")
-        out += [Path(dirpath) / f for f in sorted(files)]
-    return out
-
-
-def _render(res: Any) -> str:
-    text = res.output.rstrip("\n")
-    status = f"(exit code {res.returncode})" if res.returncode else ""
-    return (text + ("\n" if text and status else "") + status) or "(no output)"
-
-
-# -- task bases ------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=8)
-def _index(path: str) -> dict[str, Any]:
-    return {t.instance_id: t for t in ct.load_tasks(path)}
-
-
-def task_index(tasks_file: str | None = None) -> dict[str, Any]:
-    """instance id -> task, from ``tasks_file`` (default: the shipped set)."""
-    return _index(str(Path(tasks_file or ct.TASKS_FILE).resolve()))
-
-
-def _cache_root() -> Path:
-    root = Path(os.environ.get("BPO_CODE_CACHE", Path(tempfile.gettempdir()) / "bpo-code-bases"))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-def base_for(task: Any) -> Path:
-    """The task's prepared buggy checkout (cached on disk by instance id and base commit;
-    built atomically, so concurrent builders do not see a half-built one). Never modified:
-    workspaces start from a copy or an overlay of it."""
-    dest = _cache_root() / f"{task.instance_id}-{task.base_commit[:12]}"
-    if dest.is_dir():
-        return dest
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=dest.parent))
-    try:
-        ct.prepare_workspace(task, tmp / "w")
-        try:
-            os.rename(tmp / "w", dest)
-        except OSError:  # another process built it first
-            if not dest.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
-
-
-@functools.lru_cache(maxsize=256)
-def _gold_cached(instance_id: str, base: str, patch: str) -> dict[str, tuple[str, ...]]:
-    with tempfile.TemporaryDirectory(prefix="bpo-gold-") as tmp:
-        work = Path(tmp) / "w"
-        subprocess.run(["cp", "-a", base, str(work)], check=True)
-        done = subprocess.run(
-            ["git", "apply", "--numstat", "--apply", "-"], input=patch, text=True,
-            cwd=work, capture_output=True,
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise ValueError(f"the gold patch of {instance_id} does not apply: {done.stderr}")
-        files = [line.split("\t", 2)[2] for line in done.stdout.splitlines() if line.strip()]
-        return {
-            rel: tuple(
-                (work / rel).read_bytes().decode("utf-8", "surrogateescape").splitlines(True)
-            )
-            for rel in files
-            if (work / rel).exists()
-        }
-
-
-def gold_files(task: Any) -> dict[str, list[str]]:
-    """Files the gold patch changes -> their lines after it."""
-    cached = _gold_cached(task.instance_id, str(base_for(task)), task.patch)
-    return {rel: list(lines) for rel, lines in cached.items()}
 
 
 # -- registration ----------------------------------------------------------------------------
