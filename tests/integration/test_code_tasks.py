@@ -13,7 +13,8 @@ import pytest
 
 from bpo import tasks_cli
 from bpo.sandbox.envs import code_generate, code_tasks
-from bpo.sandbox.envs.code_generate import KINDS, failure_reports, mutants, unified_diff
+from bpo.sandbox.envs.code_generate import failure_reports, unified_diff
+from bpo.sandbox.envs.code_mutants import KINDS, mutants
 from bpo.sandbox.envs.code_tasks import (
     PROJECTS,
     GenerationError,
