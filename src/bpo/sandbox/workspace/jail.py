@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import itertools
 import os
 import resource
 import select
@@ -48,6 +47,15 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from bpo.sandbox.workspace.jail_procs import (
+    Cgroup,
+    cpu_exceeded,
+    kill_sandbox,
+    read_pids,
+    running,
+    sandbox_init,
+)
 
 WORKSPACE = "/workspace"
 """Where the workspace appears inside the sandbox (the command's working directory)."""
@@ -100,91 +108,6 @@ class CommandResult:
         return self.returncode == 0 and self.limit is None
 
 
-class _Cgroup:
-    """One cgroup for a jail's commands: memory and process limits, and the counters that say
-    which limit a command hit. v1 (``memory`` and ``pids`` hierarchies) or v2."""
-
-    _counter = itertools.count()
-
-    def __init__(self, limits: Limits) -> None:
-        self.dirs: dict[str, Path] = {}
-        name = f"bpo-jail-{os.getpid()}-{next(self._counter)}"
-        root = Path("/sys/fs/cgroup")
-        try:
-            if (root / "cgroup.controllers").exists():  # pure v2
-                d = root / _own_cgroup("") / name
-                d.mkdir()
-                self.dirs["v2"] = d
-                (d / "memory.max").write_text(str(limits.memory_mb << 20))
-                (d / "memory.swap.max").write_text("0")
-                (d / "pids.max").write_text(str(limits.pids))
-            else:
-                for ctl in ("memory", "pids"):
-                    d = root / ctl / _own_cgroup(ctl) / name
-                    d.mkdir()
-                    self.dirs[ctl] = d
-                mem = self.dirs["memory"]
-                (mem / "memory.limit_in_bytes").write_text(str(limits.memory_mb << 20))
-                memsw = mem / "memory.memsw.limit_in_bytes"
-                if memsw.exists():
-                    memsw.write_text(str(limits.memory_mb << 20))
-                (self.dirs["pids"] / "pids.max").write_text(str(limits.pids))
-        except OSError:
-            self.close()
-            self.dirs = {}
-
-    @property
-    def active(self) -> bool:
-        return bool(self.dirs)
-
-    def procs_files(self) -> list[str]:
-        return [str(d / "cgroup.procs") for d in self.dirs.values()]
-
-    def counters(self) -> tuple[int, int]:
-        """(OOM kills, refused forks) so far."""
-        if "v2" in self.dirs:
-            d = self.dirs["v2"]
-            return _field(d / "memory.events", "oom_kill"), _field(d / "pids.events", "max")
-        if self.dirs:
-            return (
-                _field(self.dirs["memory"] / "memory.oom_control", "oom_kill"),
-                _field(self.dirs["pids"] / "pids.events", "max"),
-            )
-        return 0, 0
-
-    def close(self) -> None:
-        for d in self.dirs.values():
-            for _ in range(50):  # processes may take a moment to leave after a kill
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.01)
-        self.dirs = {}
-
-
-def _own_cgroup(controller: str) -> str:
-    """This process's cgroup path in ``controller``'s hierarchy (v2: controller "")."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, ctls, path = line.split(":", 2)
-        if (controller == "" and ctls == "") or controller in ctls.split(","):
-            return path.lstrip("/")
-    return ""
-
-
-def _field(path: Path, key: str) -> int:
-    try:
-        for line in path.read_text().splitlines():
-            k, _, v = line.partition(" ")
-            if k == key:
-                return int(v)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
 def _system_site_packages() -> list[str]:
     """The base interpreter's site-packages directories (hidden in the sandbox)."""
     paths = {
@@ -224,7 +147,7 @@ class Jail:
                 "Install it: `apt-get install bubblewrap` (done by `make setup`)"
             )
         self.limits = limits or Limits()
-        self._cgroup = _Cgroup(self.limits)
+        self._cgroup = Cgroup(self.limits.memory_mb, self.limits.pids)
         self._packages = _package_dirs(python_packages)
         self._env = dict(env or {})
         self.runs = 0
@@ -342,8 +265,8 @@ class Jail:
         finally:
             init = None
             if limit is not None or proc.poll() is None:
-                init = _sandbox_init(proc.pid)
-                _kill(proc, init)
+                init = sandbox_init(proc.pid)
+                kill_sandbox(proc, init)
             proc.stdout.close()
             rc = proc.wait()
             self._wait_sandbox_gone(init)
@@ -352,7 +275,7 @@ class Jail:
         if limit is None:
             if oom > oom0:
                 limit = "memory"
-            elif _cpu_exceeded(rc):
+            elif cpu_exceeded(rc):
                 limit = "cpu"
             elif forks > forks0:
                 limit = "pids"
@@ -375,11 +298,11 @@ class Jail:
         cgroup to be empty, killing anything still in it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            left = [pid for f in self._cgroup.procs_files() for pid in _read_pids(f)]
+            left = [pid for f in self._cgroup.procs_files() for pid in read_pids(f)]
             for pid in left:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            if not left and (init is None or not _running(*init)):
+            if not left and (init is None or not running(*init)):
                 return
             time.sleep(0.01)
         warnings.warn(
@@ -409,55 +332,3 @@ _LIMIT_TEXT = {
     "pids": "the command hit its limit of {lim.pids} processes",
     "output": "the command wrote more than {lim.output_kill_factor}x the output limit and was killed",
 }
-
-
-def _cpu_exceeded(rc: int) -> bool:
-    # bash reports a child killed by SIGXCPU as 128+24; bwrap passes the status on
-    return rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
-
-
-def _kill(proc: subprocess.Popen[bytes], init: tuple[int, str] | None) -> None:
-    """Kill bwrap's session and its namespace's init: the PID namespace dies with its init
-    (the command runs in a session of its own, so killing bwrap's group alone leaves it to
-    ``--die-with-parent``)."""
-    if init is not None and _running(*init):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(init[0], signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of process ``pid`` from /proc, or None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return fields[0], fields[19]
-
-
-def _running(pid: int, start: str) -> bool:
-    """True while the process that started at ``start`` has not finished exiting (a zombie
-    has; a new process with a reused pid is another one)."""
-    st = _stat(pid)
-    return st is not None and st[1] == start and st[0] not in ("Z", "X")
-
-
-def _sandbox_init(bwrap_pid: int) -> tuple[int, str] | None:
-    """(pid, start time) of bwrap's child: the init of the command's PID namespace."""
-    try:
-        kids = Path(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children").read_text().split()
-    except OSError:
-        kids = []
-    for kid in kids:
-        st = _stat(int(kid))
-        if st is not None:
-            return int(kid), st[1]
-    return None
-
-
-def _read_pids(procs_file: str) -> list[int]:
-    try:
-        return [int(x) for x in Path(procs_file).read_text().split()]
-    except (OSError, ValueError):
-        return []
