@@ -25,7 +25,7 @@ import numpy as np
 
 from bpo.compare_report import append_variance, summarize
 from bpo.config import Config, ConfigError, load_config
-from bpo.jobs import Call, Jobs, default_jobs
+from bpo.jobs import Job, Jobs, default_jobs
 
 __all__ = ["METHODS", "main", "summarize"]
 
@@ -182,14 +182,14 @@ def main(argv: list[str]) -> int:
     try:
         # one list, in priority order: warm starts, then each seed's runs as soon as its warm
         # start is done, then the variance study's short jobs to fill the gaps at the end
-        calls: list[Call] = []
+        todo: list[Job] = []
         warm: dict[int, str | None] = {}
         for s in seeds:
             warm[s] = None
             if not (out / f"sft-seed{s}" / "eval_before.json").exists():
                 warm[s] = f"warm start seed {s}"
-                calls.append((warm[s], out / f"sft-seed{s}" / "log.txt", _warm_start,
-                              (bases[s], out, s)))  # fmt: skip
+                todo.append(Job(warm[s], out / f"sft-seed{s}" / "log.txt", _warm_start,
+                                (bases[s], out, s)))  # fmt: skip
         for s in seeds:
             model = out / f"sft-seed{s}" / "model"
             for m in methods:
@@ -199,8 +199,8 @@ def main(argv: list[str]) -> int:
                 over = [*common, *METHODS[m], f"run.seed={s}", f"policy.model={model}",
                         "sft.episodes_per_task=0"]  # fmt: skip
                 before = out / f"sft-seed{s}" / "eval_before.json"
-                calls.append((f"{m} seed {s}", run / "log.txt", _train_method,
-                              (config, over, run, before), warm[s]))  # fmt: skip
+                todo.append(Job(f"{m} seed {s}", run / "log.txt", _train_method,
+                                (config, over, run, before), warm[s]))  # fmt: skip
         if nvar > 0:  # at seed 0's warm-started policy
             for m in methods:
                 cfg = load_config(
@@ -208,21 +208,12 @@ def main(argv: list[str]) -> int:
                     [*common, *METHODS[m], "run.seed=0",
                      f"policy.model={out / 'sft-seed0' / 'model'}", "sft.episodes_per_task=0"],
                 )  # fmt: skip
-                calls.append((f"variance {m}", out / "variance" / f"{m}.log", _variance_method,
-                              (m, cfg, out, nvar, 0), warm[0]))  # fmt: skip
-        if jobs.pool is None:
-            results = []
-            for label, _, fn, a, *_ in calls:
-                print(f"[compare] {label}")
-                results.append(fn(*a))
-                if isinstance(results[-1], dict) and results[-1].get("interrupted"):
-                    print("bpo compare: interrupted; run the same command to continue")
-                    return 0
-        else:
-            results = jobs.map(calls)
-            if any(isinstance(r, dict) and r.get("interrupted") for r in results):
-                print("bpo compare: interrupted; run the same command to continue")
-                return 0
+                todo.append(Job(f"variance {m}", out / "variance" / f"{m}.log",
+                                _variance_method, (m, cfg, out, nvar, 0), warm[0]))  # fmt: skip
+        results = jobs.map(todo)
+        if any(isinstance(r, dict) and r.get("interrupted") for r in results):
+            print("bpo compare: interrupted; run the same command to continue")
+            return 0
     except KeyboardInterrupt:
         print("bpo compare: interrupted; run the same command to continue")
         return 130
@@ -232,8 +223,8 @@ def main(argv: list[str]) -> int:
     if nvar > 0:
         from bpo.analysis.gradvar import gradient_summary
 
-        samples = {c[0].removeprefix("variance "): r for c, r in zip(calls, results, strict=True)
-                   if c[0].startswith("variance ")}  # fmt: skip
+        samples = {j.label.removeprefix("variance "): r for j, r in zip(todo, results, strict=True)
+                   if j.label.startswith("variance ")}  # fmt: skip
         study = gradient_summary(samples)
         summary["variance_study"] = study
         base = [m for m in methods if not m.startswith("bpo")]

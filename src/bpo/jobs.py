@@ -12,13 +12,22 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bpo.config import Config
 
-__all__ = ["Call", "Jobs", "default_jobs", "in_child", "term_with_parent"]
+__all__ = ["Job", "Jobs", "default_jobs", "in_child", "term_with_parent"]
 
-Call = tuple  # (label, log file, function, args) or (..., label of a call to wait for)
+
+class Job(NamedTuple):
+    """One of compare's jobs: ``fn(*args)`` with its output in ``log``."""
+
+    label: str
+    log: Path
+    fn: Callable[..., Any]
+    args: tuple
+    after: str | None = None
+    """The label of an earlier job that must finish first (a run after its warm start)."""
 
 
 def in_child(log: Path, threads: int, parent: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -82,20 +91,26 @@ class Jobs:
                 jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=1
             )
 
-    def map(self, calls: list[Call]) -> list[Any]:
-        """``calls``: (label, log file, function, args[, after]), where ``after`` names an
-        earlier call that must finish first (a run after its seed's warm start). At most
-        ``jobs`` run at once; a free process takes the first call in list order whose
-        ``after`` has finished, so the list order is the priority (long runs first, short
-        jobs last to fill the gaps). Results in order."""
-        labels = [c[0] for c in calls]
+    def map(self, jobs: list[Job]) -> list[Any]:
+        """Run ``jobs``; results in order. At most ``self.jobs`` run at once; a free process
+        takes the first job in list order whose ``after`` has finished, so the list order is
+        the priority (long runs first, short jobs last to fill the gaps). In this process
+        (``jobs=1``) they run in list order, and a run that returns ``{"interrupted": True}``
+        (Ctrl-C) ends the list: the jobs after it are not run (their results are None)."""
+        labels = [j.label for j in jobs]
         if len(set(labels)) != len(labels):
             raise ValueError(f"job labels must be unique: {labels}")
-        for i, c in enumerate(calls):
-            if len(c) > 4 and c[4] is not None and c[4] not in labels[:i]:
-                raise ValueError(f"job {c[0]!r} waits for {c[4]!r}, not an earlier job")
+        for i, j in enumerate(jobs):
+            if j.after is not None and j.after not in labels[:i]:
+                raise ValueError(f"job {j.label!r} waits for {j.after!r}, not an earlier job")
         if self.pool is None:
-            return [c[2](*c[3]) for c in calls]  # in list order, so every `after` is done
+            results: list[Any] = [None] * len(jobs)
+            for i, j in enumerate(jobs):
+                print(f"[compare] {j.label}")
+                results[i] = j.fn(*j.args)
+                if isinstance(results[i], dict) and results[i].get("interrupted"):
+                    break
+            return results
         import multiprocessing as mp
         from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -106,21 +121,20 @@ class Jobs:
             raise KeyboardInterrupt
 
         t0 = time.perf_counter()
-        waiting = list(calls)
+        waiting = list(jobs)
         running: dict[Any, str] = {}
-        results: dict[str, Any] = {}
+        done_by_label: dict[str, Any] = {}
 
         def start_ready() -> None:
-            for c in list(waiting):
+            for j in list(waiting):
                 if len(running) >= self.jobs:
                     return
-                if len(c) > 4 and c[4] is not None and c[4] not in results:
+                if j.after is not None and j.after not in done_by_label:
                     continue
-                label, log, fn, args = c[:4]
-                fut = self.pool.submit(in_child, log, self.threads, os.getpid(), fn, *args)
-                running[fut] = label
-                waiting.remove(c)
-                print(f"[compare] started {label} (output: {log})")
+                fut = self.pool.submit(in_child, j.log, self.threads, os.getpid(), j.fn, *j.args)
+                running[fut] = j.label
+                waiting.remove(j)
+                print(f"[compare] started {j.label} (output: {j.log})")
 
         old = signal.signal(signal.SIGTERM, on_term)
         try:
@@ -129,13 +143,13 @@ class Jobs:
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for fut in done:
                     label = running.pop(fut)
-                    results[label] = fut.result()
-                    print(f"[compare] finished {label} ({len(results)}/{len(calls)}, "
+                    done_by_label[label] = fut.result()
+                    print(f"[compare] finished {label} ({len(done_by_label)}/{len(jobs)}, "
                           f"{time.perf_counter() - t0:.0f}s)")  # fmt: skip
                 start_ready()
         finally:
             signal.signal(signal.SIGTERM, old)
-        return [results[label] for label in labels]
+        return [done_by_label[label] for label in labels]
 
     def close(self) -> None:
         if self.pool is not None:
