@@ -296,17 +296,22 @@ def load_run_model(run_dir: str) -> tuple[str, torch.nn.Module]:
 
 
 def time_updates(
-    run_dir: str, label: str, model: torch.nn.Module, repeats: int
+    run_dir: str,
+    label: str,
+    model: torch.nn.Module,
+    repeats: int,
+    overrides: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """Seconds of ``Learner.update`` on each logged iteration's trees, as the run's trainer
-    calls it (its learner config and estimator, a KL reference when ``kl_coef`` > 0); the
-    model is reset to the same weights before every pass."""
+    calls it (its learner config and estimator, a KL reference when ``kl_coef`` > 0), after
+    the dotted config ``overrides`` (``learner.epochs=1``: another learner config on the same
+    trees); the model is reset to the same weights before every pass."""
     import copy
 
     from bpo.config import load_config
     from bpo.learner import Learner
 
-    cfg = load_config(os.path.join(run_dir, "config.yaml"), [])
+    cfg = load_config(os.path.join(run_dir, "config.yaml"), list(overrides))
     start = copy.deepcopy(model.state_dict())
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.learner.kl_coef > 0 else None
     out = []
@@ -424,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--run-updates", action="store_true",
                    help="with --run: time the learner's whole update() per logged iteration, with "
                    "the run's learner config (KL reference included)")  # fmt: skip
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="with --run-updates: config overrides, e.g. learner.epochs=1")  # fmt: skip
     a = p.parse_args(argv)
     if a.quick:
         a.trees, a.repeats, a.smollm_trees, a.smollm_repeats = 3, 1, 1, 1
@@ -437,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         if a.run and a.run_updates:
             label, model = load_run_model(a.run)
-            rows = time_updates(a.run, label, model, a.repeats)
+            rows = time_updates(a.run, label, model, a.repeats, a.set)
             for r in rows:
                 print(f"{r['iteration']}: trees {r['trees']}, min {r['seconds']:.2f} s, "
                       f"median {r['seconds_median']:.2f} s")  # fmt: skip
