@@ -32,6 +32,7 @@ from bpo.sandbox.envs.alfworld_games import (
     generate_problem,
     split_floor_plans,
 )
+from bpo.sandbox.envs.alfworld_pddl import load_pddl_env
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,6 @@ def solve_here(
     engine; returns ``(walkthrough, status, planner seconds)``. With ``alarm``, the process
     is killed (SIGALRM, default action) if the search takes longer: use in a child only."""
     import time
-
-    from bpo.sandbox.envs.alfworld import load_pddl_env
 
     env = load_pddl_env(game_data(problem, goal_text, None))
     try:
