@@ -17,8 +17,8 @@ Layouts: ``forest`` = :func:`bpo.packing.pack_forest` as the learner packs it
 dense tree mask), ``forest/row`` = one tree per row, ``paths`` = :func:`bpo.packing.pack_paths`
 (one causal row per leaf, no mask). Rows end at their last scored token and come longest
 first; each row chunk is padded only to its own longest row. Time = forward of
-``token_logprobs`` + the clipped loss + backward over the learner's row chunks (``row_chunks(packed, 2048)``), as
-``Learner._step`` runs them minus the optimizer step: the fastest of ``--repeats`` passes
+``token_logprobs`` + the clipped loss + backward over the learner's row chunks
+(``row_chunks(packed, 2048)``), as ``Learner._step`` runs them minus the optimizer step: the fastest of ``--repeats`` passes
 after one warm-up, the layouts interleaved so that load changes hit them alike (on a shared
 machine the minimum is the estimate least disturbed by other jobs; the median is beside it).
 ``ideal`` = unique / total tokens (forest tokens / path tokens): the time ratio if cost were
