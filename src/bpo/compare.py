@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--variance-batches", type=int, default=None,
                     help="batches per method for the gradient-variance study at the warm-started "
                          "policy of seed 0 (default 6; 3 with --quick; 0 = skip)")  # fmt: skip
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may follow the options
     from bpo.train import default_config_path
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--config", help="YAML config file (default: the CPU demo config)")
     ap.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     ap.add_argument("--out", help="run directory (default: runs/<method>-<time>)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may follow the options
     run_dir = Path(args.resume or args.out or ".")
     code = 1
     try:

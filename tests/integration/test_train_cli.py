@@ -29,6 +29,12 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
         ["--out", "OUT", "run.iteratons=3"],
         ["unknown config key 'run.iteratons'", "valid keys here:", "iterations"],
     ),
+    # overrides on both sides of an option all reach the config (argparse's plain parse_args
+    # stops the positional list at the option and calls the rest unrecognized arguments)
+    "unknown key after an option": (
+        ["run.seed=1", "--out", "OUT", "run.iteratons=3"],
+        ["unknown config key 'run.iteratons'", "valid keys here:"],
+    ),
     "unknown section": (["--out", "OUT", "trees.k=3"], ["unknown config key 'trees'", "tree"]),
     "wrong type": (
         ["--out", "OUT", "run.iterations=many"],
@@ -146,3 +152,15 @@ def test_cpu_configs_pass_preflight() -> None:
     gpu = load_config(CONFIGS / "gpu" / "qwen2.5-7b-alfworld.yaml")
     with pytest.raises(ConfigError, match=r"policy\.backend='vllm'"):
         preflight(gpu)  # the main venv has no vLLM (it lives in .venv-vllm: make setup-vllm)
+
+
+def test_compare_reads_overrides_on_both_sides_of_an_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bpo import compare
+
+    out = tmp_path / "cmp"
+    argv = ["--quick", "run.seed=1", "--out", str(out), "run.iteratons=3"]
+    assert compare.main(argv) == 2
+    assert "unknown config key 'run.iteratons'" in capsys.readouterr().out
+    assert not out.exists()
