@@ -5,8 +5,7 @@
 Reads each run's ``summary.json`` (its ``eval_before`` / ``eval_after`` per-task success) and
 asks the game's own expert (``getGoldActionSequence``) whether reaching the coin takes an
 ``open door to ...`` action. The README's default-run section uses it: on the default coin
-games, RL raises success where no door is in the way and leaves the door games where the warm
-start left them.
+games, RL raises success where no door is in the way and moves the door games less, both ways.
 """
 
 from __future__ import annotations
