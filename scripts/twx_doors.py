@@ -3,8 +3,8 @@
     .venv/bin/python scripts/twx_doors.py RUN_DIR [RUN_DIR ...]
 
 Reads each run's ``summary.json`` (its ``eval_before`` / ``eval_after`` per-task success) and
-asks the game's own expert (``getGoldActionSequence``) whether reaching the coin takes an
-``open door to ...`` action. The README's default-run section uses it: on the default coin
+asks the game's own gold agent (seeded, as ``bpo``'s TextWorld-Express sandbox runs it for the
+warm start's demos) whether reaching the coin takes an ``open door to ...`` action. The README's default-run section uses it: on the default coin
 games, RL raises success where no door is in the way and moves the door games less, both ways.
 """
 
@@ -15,14 +15,12 @@ import sys
 from pathlib import Path
 
 
-def needs_door(env, key: str, cache: dict[str, bool]) -> bool:
-    from bpo.sandbox.envs.twx import parse_task
-
+def needs_door(engine, key: str, cache: dict[str, bool]) -> bool:
+    """Whether the seeded gold path of game ``key`` (the one the warm start's demos follow)
+    opens a door."""
     if key not in cache:
-        t = parse_task(key)
-        env.reset(gameName=t.game, gameParams=t.params_str, gameFold=t.fold, seed=t.seed,
-                  generateGoldPath=True)  # fmt: skip
-        cache[key] = any(a.startswith("open door") for a in env.getGoldActionSequence())
+        engine.reset(key, 0)  # the key carries its own seed
+        cache[key] = any(a.startswith("open door") for a in engine.gold_path())
     return cache[key]
 
 
@@ -30,31 +28,34 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
-    import textworld_express as twx
+    missing = [run for run in argv if not (Path(run) / "summary.json").exists()]
+    if missing:
+        print(f"no summary.json (not a finished bpo run): {', '.join(missing)}", file=sys.stderr)
+        return 2
+    from bpo.sandbox.envs.twx import TwxEngine
 
-    env = twx.TextWorldExpressEnv(envStepLimit=100)
+    engine = TwxEngine()
     cache: dict[str, bool] = {}
     print(
         "| run | games without a door: n, before -> after | games with a door: n, before -> after |"
     )
     print("| --- | --- | --- |")
-    for run in argv:
-        path = Path(run) / "summary.json"
-        if not path.exists():
-            print(f"{run}: no summary.json (not a finished bpo run)", file=sys.stderr)
-            return 2
-        s = json.loads(path.read_text())
-        before, after = s["eval_before"]["per_task"], s["eval_after"]["per_task"]
-        cells = []
-        for door in (False, True):
-            keys = [k for k in before if needs_door(env, k, cache) == door]
-            if not keys:
-                cells.append("0")
-                continue
-            b = sum(before[k] for k in keys) / len(keys)
-            a = sum(after[k] for k in keys) / len(keys)
-            cells.append(f"{len(keys)}, {b:.3f} -> {a:.3f}")
-        print(f"| {run} | {cells[0]} | {cells[1]} |")
+    try:
+        for run in argv:
+            s = json.loads((Path(run) / "summary.json").read_text())
+            before, after = s["eval_before"]["per_task"], s["eval_after"]["per_task"]
+            cells = []
+            for door in (False, True):
+                keys = [k for k in before if needs_door(engine, k, cache) == door]
+                if not keys:
+                    cells.append("0")
+                    continue
+                b = sum(before[k] for k in keys) / len(keys)
+                a = sum(after[k] for k in keys) / len(keys)
+                cells.append(f"{len(keys)}, {b:.3f} -> {a:.3f}")
+            print(f"| {run} | {cells[0]} | {cells[1]} |")
+    finally:
+        engine.close()
     return 0
 
 
