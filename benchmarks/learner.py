@@ -18,9 +18,10 @@ dense tree mask), ``forest/row`` = one tree per row, ``paths`` = :func:`bpo.pack
 (one causal row per leaf, no mask). Rows end at their last scored token and come longest
 first; each row chunk is padded only to its own longest row. Time = forward of
 ``token_logprobs`` + the clipped loss + backward over the learner's row chunks
-(``row_chunks(packed, 2048)``), as ``Learner._step`` runs them minus the optimizer step: the fastest of ``--repeats`` passes
-after one warm-up, the layouts interleaved so that load changes hit them alike (on a shared
-machine the minimum is the estimate least disturbed by other jobs; the median is beside it).
+(``row_chunks(packed, 2048)``), as ``Learner._step`` runs them minus the optimizer step: the
+fastest of ``--repeats`` passes after one warm-up, the layouts interleaved so that load changes
+hit them alike (on a shared machine the minimum is the estimate least disturbed by other jobs;
+the median is beside it).
 ``ideal`` = unique / total tokens (forest tokens / path tokens): the time ratio if cost were
 linear in tokens. Every layout's log-probs are compared with the paths layout's (max
 difference, tolerance 1e-5). ``choose_layout`` is called as the learner calls it (the model's

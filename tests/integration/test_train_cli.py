@@ -1,7 +1,8 @@
 """``bpo train`` refuses bad input before any work: exit code 2, a message that names the key or
 file and the fix, and nothing written. Run through the real command line in subprocesses
 (started together: each one spends most of its time importing torch). Also: every config
-shipped in ``configs/`` loads, and the CPU ones pass the pre-flight checks."""
+shipped in ``configs/`` loads, the CPU ones pass the pre-flight checks, and ``bpo compare``
+reads overrides on both sides of an option as ``bpo train`` does."""
 
 from __future__ import annotations
 
