@@ -53,11 +53,18 @@ def term_with_parent(parent: int) -> None:
     elsewhere nothing: Ctrl-C still reaches every run, a kill of the parent alone does not).
     The kernel sends the death signal again each time the child passes to another thread of
     the dying parent, and a second SIGTERM stops ``bpo train`` at once, without its
-    checkpoint: so the death signal is SIGUSR1, turned into one SIGTERM here."""
+    checkpoint: so the death signal is SIGUSR1, turned into one SIGTERM here. Ignoring
+    SIGUSR1 after the first is not enough: a second delivery can trip Python's handler again
+    before the first has run, so the handler itself sends the SIGTERM only once."""
     if sys.platform.startswith("linux"):
         import ctypes
 
+        fired: list[bool] = []
+
         def on_parent_death(signum: int, frame: Any) -> None:
+            if fired:
+                return
+            fired.append(True)
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
             os.kill(os.getpid(), signal.SIGTERM)
 
