@@ -137,9 +137,32 @@ class Learner:
             params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
         self.updates = 0
+        self.total_updates: int | None = None
+        """The run's policy updates in all: where ``lr_schedule`` reaches 0 (the trainer sets it)."""
         self.bad_in_a_row = 0
         self._ref_logp: dict[tuple[int, int], torch.Tensor] | None = None
         """The reference's log-probs per (batch, row chunk), kept during one update()."""
+
+    def lr_now(self) -> float:
+        """The learning rate of the next update (number ``self.updates``, from 0): a linear
+        warm-up over ``warmup_updates``, then ``lr_schedule`` over the rest of
+        ``total_updates``."""
+        cfg = self.config
+        u = self.updates
+        if u < cfg.warmup_updates:
+            return cfg.lr * (u + 1) / cfg.warmup_updates
+        if cfg.lr_schedule == "constant":
+            return cfg.lr
+        if self.total_updates is None:
+            raise ValueError(
+                f"lr_schedule {cfg.lr_schedule!r} needs the run's length: set "
+                "Learner.total_updates (bpo train does), or use lr_schedule='constant'"
+            )
+        span = max(1, self.total_updates - cfg.warmup_updates)
+        done = min(1.0, (u - cfg.warmup_updates) / span)
+        if cfg.lr_schedule == "linear":
+            return cfg.lr * (1.0 - done)
+        return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * done))
 
     # -- phases 2-4 ----------------------------------------------------------------------------
     def pack(self, trees: Sequence[Tree]) -> Packed:
@@ -395,9 +418,8 @@ class Learner:
             finite = totals[-1] == 0
         finite = finite and math.isfinite(sums["loss/total"])
         if finite:
-            scale = min(1.0, (self.updates + 1) / cfg.warmup_updates) if cfg.warmup_updates else 1
             for group in self.optimizer.param_groups:
-                group["lr"] = cfg.lr * scale
+                group["lr"] = self.lr_now()
             self.optimizer.step()
             self.updates += 1
             self.bad_in_a_row = 0

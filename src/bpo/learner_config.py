@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 from bpo.losses import AGGREGATIONS
 
-__all__ = ["PARALLEL", "LearnerConfig"]
+__all__ = ["PARALLEL", "SCHEDULES", "LearnerConfig"]
 
 PARALLEL = ("ddp", "fsdp")
+SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class LearnerConfig:
     every parameter by about ``lr`` whatever its gradient's size; without a warm-up they can
     undo much of a warm start (measured on the CPU demo: k3 KL of 10 to the sampling policy
     within the first iteration at lr 5e-4)."""
+    lr_schedule: str = "constant"
+    """The learning rate after the warm-up: "constant", or decayed to 0 at the run's last
+    policy update, "linear" (TRL's default) or "cosine" (the usual choice in verl and
+    OpenRLHF recipes). A decay lets the last updates settle instead of moving the policy as far
+    as the first, so the policy a run ends with depends less on its last few batches."""
     max_grad_norm: float = 1.0
     """Gradient clipping; the norm before clipping is logged every step."""
     clip_low: float = 0.2
@@ -69,6 +75,10 @@ class LearnerConfig:
             raise ValueError(f"unknown layout {self.layout!r}; valid: auto, forest, paths")
         if self.parallel not in PARALLEL:
             raise ValueError(f"unknown parallel {self.parallel!r}; valid: {', '.join(PARALLEL)}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(
+                f"unknown lr_schedule {self.lr_schedule!r}; valid: {', '.join(SCHEDULES)}"
+            )
         if self.warmup_updates < 0:
             raise ValueError(f"warmup_updates must be >= 0, got {self.warmup_updates}")
         if self.epochs < 1 or self.minibatches < 1:

@@ -36,8 +36,8 @@ ARGS = [
     # a stale state shows up in the numbers
     "learner.entropy_coef=0.01", "learner.lr=0.001",
     # the KL reference (the warm-started policy) must come back from the kept iteration-0
-    # checkpoint, and the warm-up from the update count
-    "learner.kl_coef=0.05", "learner.warmup_updates=3",
+    # checkpoint, and the warm-up and the decay from the update count
+    "learner.kl_coef=0.05", "learner.warmup_updates=3", "learner.lr_schedule=cosine",
 ]  # fmt: skip
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,7 +191,9 @@ def test_sigkill_at_any_moment_then_resume_matches_the_uninterrupted_run(tmp_pat
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=60)
-        ckpts = sorted((run / "checkpoints").glob("iter-*")) if (run / "checkpoints").exists() else []
+        ckpts = (
+            sorted((run / "checkpoints").glob("iter-*")) if (run / "checkpoints").exists() else []
+        )
         resumed = subprocess.run(
             [*BPO, "--resume", str(run)] if (run / "config.yaml").exists()
             else [*BPO, "--out", str(run), *ARGS],

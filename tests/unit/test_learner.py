@@ -284,6 +284,28 @@ def test_warmup_ramps_the_learning_rate_linearly():
         LearnerConfig(warmup_updates=-1)
 
 
+def test_lr_schedules_decay_to_zero_at_the_last_update_after_the_warmup():
+    model = tiny()
+    for schedule, after_warmup in [
+        ("constant", [1.0, 1.0, 1.0, 1.0]),
+        ("linear", [1.0, 0.75, 0.5, 0.25]),
+        ("cosine", [1.0, 0.5 * (1 + np.cos(np.pi / 4)), 0.5, 0.5 * (1 + np.cos(3 * np.pi / 4))]),
+    ]:
+        learner = Learner(model, LearnerConfig(lr=1.0, warmup_updates=2, lr_schedule=schedule))
+        learner.total_updates = 6
+        seen = []
+        for u in range(7):  # one past the run's end stays at the end's rate
+            learner.updates = u
+            seen.append(learner.lr_now())
+        end = after_warmup[-1] if schedule == "constant" else 0.0
+        assert seen == pytest.approx([0.5, 1.0, *after_warmup, end]), schedule
+    learner = Learner(model, LearnerConfig(lr_schedule="linear"))
+    with pytest.raises(ValueError, match="total_updates"):
+        learner.lr_now()
+    with pytest.raises(ValueError, match="valid: constant, linear, cosine"):
+        LearnerConfig(lr_schedule="step")
+
+
 def test_kl_to_the_reference_is_zero_until_the_policy_moves():
     rng = np.random.default_rng(4)
     trees = [random_tree(rng)]
