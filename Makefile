@@ -7,7 +7,7 @@ BPO := $(VENV)/bin/bpo
 TORCH ?= torch==2.13.0
 EXTRAS ?= all
 
-.PHONY: setup system-deps demo test lint setup-vllm test-vllm
+.PHONY: setup system-deps demo test test-slow lint setup-vllm test-vllm
 setup: system-deps $(VENV)/.installed
 
 # Debian packages: Java (ScienceWorld, TextWorld-Express), g++/cmake (TextWorld's PDDL planner
@@ -32,9 +32,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	OMP_WAIT_POLICY=PASSIVE $(BPO) train
 
+# `make test`: lint and every test not marked slow (about 8 min on 2 cores after the install).
+# `make test-slow`: the heavier ones (`bpo compare --quick`, resume equivalence after SIGKILL,
+# the Ray cluster, torchrun, the code and web jobs, stop signals, ...: about 14 min); CI runs both.
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
