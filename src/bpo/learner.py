@@ -146,7 +146,9 @@ class Learner:
     def lr_now(self) -> float:
         """The learning rate of the next update (number ``self.updates``, from 0): a linear
         warm-up over ``warmup_updates``, then ``lr_schedule`` over the rest of
-        ``total_updates``."""
+        ``total_updates``. Written here rather than taken from transformers' schedulers: a
+        pure function of the update count, which checkpoints already hold, so a resumed run
+        needs no scheduler state; and the warm-up's first update is not at lr 0."""
         cfg = self.config
         u = self.updates
         if u < cfg.warmup_updates:
