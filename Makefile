@@ -34,7 +34,7 @@ demo: setup
 
 # `make test`: lint and every test not marked slow (about 8 min on 2 cores after the install).
 # `make test-slow`: the heavier ones (`bpo compare --quick`, resume equivalence after SIGKILL,
-# the Ray cluster, torchrun, the code and web jobs, stop signals, ...: about 14 min); CI runs both.
+# the Ray cluster, torchrun, the code and web jobs, stop signals, ...: about 17 min); CI runs both.
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
