@@ -27,8 +27,9 @@ class LearnerConfig:
     undo much of a warm start (measured on the CPU demo: k3 KL of 10 to the sampling policy
     within the first iteration at lr 5e-4)."""
     lr_schedule: str = "constant"
-    """The learning rate after the warm-up: "constant", or decayed to 0 at the run's last
-    policy update, "linear" (the default of transformers' Trainer, so of TRL) or "cosine". A
+    """The learning rate after the warm-up: "constant", or decayed towards 0, reached just
+    after the run's last policy update, "linear" (the default of transformers' Trainer, so of
+    TRL) or "cosine". A
     decay makes the last updates small, so the policy a run ends with should depend less on its
     last few batches; on the CPU demo it did not raise held-out success (README)."""
     max_grad_norm: float = 1.0

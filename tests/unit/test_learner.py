@@ -284,7 +284,7 @@ def test_warmup_ramps_the_learning_rate_linearly():
         LearnerConfig(warmup_updates=-1)
 
 
-def test_lr_schedules_decay_to_zero_at_the_last_update_after_the_warmup():
+def test_lr_schedules_decay_towards_zero_over_the_run_after_the_warmup():
     model = tiny()
     for schedule, after_warmup in [
         ("constant", [1.0, 1.0, 1.0, 1.0]),
