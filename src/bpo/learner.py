@@ -88,8 +88,10 @@ class Learner:
         pad_id: int = 0,
         critic: bool = False,
         data_parallel: DataParallel | None = None,
+        total_updates: int | None = None,
     ) -> None:
-        """``critic=True`` adds a value head (a zero-initialised linear layer on the last hidden
+        """``total_updates``: the run's policy updates in all, where ``config.lr_schedule``
+        reaches 0 (needed unless the schedule is constant). ``critic=True`` adds a value head (a zero-initialised linear layer on the last hidden
         state at each turn's context end, registered on the model as ``value_head`` so that it is
         checkpointed with it) for PPO. ``data_parallel`` shards every minibatch over its ranks
         (module docstring); the models are first broadcast from its rank 0.
@@ -137,8 +139,7 @@ class Learner:
             params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
         self.updates = 0
-        self.total_updates: int | None = None
-        """The run's policy updates in all: where ``lr_schedule`` reaches 0 (the trainer sets it)."""
+        self.total_updates = total_updates
         self.bad_in_a_row = 0
         self._ref_logp: dict[tuple[int, int], torch.Tensor] | None = None
         """The reference's log-probs per (batch, row chunk), kept during one update()."""
@@ -157,8 +158,8 @@ class Learner:
             return cfg.lr
         if self.total_updates is None:
             raise ValueError(
-                f"lr_schedule {cfg.lr_schedule!r} needs the run's length: set "
-                "Learner.total_updates (bpo train does), or use lr_schedule='constant'"
+                f"lr_schedule {cfg.lr_schedule!r} needs the run's length: pass "
+                "Learner(total_updates=...) (bpo train does), or use lr_schedule='constant'"
             )
         span = max(1, self.total_updates - cfg.warmup_updates)
         done = min(1.0, (u - cfg.warmup_updates) / span)

@@ -153,9 +153,8 @@ class Trainer:
         self.learner = Learner(
             self.bundle.model, cfg.learner, ref_model=ref, pad_id=self.bundle.pad_id,
             critic=cfg.estimator.name == "ppo", data_parallel=self.dp,
+            total_updates=cfg.run.iterations * cfg.learner.epochs * cfg.learner.minibatches,
         )  # fmt: skip
-        steps = cfg.learner.epochs * cfg.learner.minibatches
-        self.learner.total_updates = cfg.run.iterations * steps
         self._seed_rank()
         self.rule = make_branch_rule(cfg)
         self.sampler = make_sampler(self)

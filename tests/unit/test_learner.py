@@ -291,8 +291,8 @@ def test_lr_schedules_decay_towards_zero_over_the_run_after_the_warmup():
         ("linear", [1.0, 0.75, 0.5, 0.25]),
         ("cosine", [1.0, 0.5 * (1 + np.cos(np.pi / 4)), 0.5, 0.5 * (1 + np.cos(3 * np.pi / 4))]),
     ]:
-        learner = Learner(model, LearnerConfig(lr=1.0, warmup_updates=2, lr_schedule=schedule))
-        learner.total_updates = 6
+        cfg = LearnerConfig(lr=1.0, warmup_updates=2, lr_schedule=schedule)
+        learner = Learner(model, cfg, total_updates=6)
         seen = []
         for u in range(7):  # one past the run's end stays at the end's rate
             learner.updates = u
