@@ -53,9 +53,9 @@ def term_with_parent(parent: int) -> None:
     elsewhere nothing: Ctrl-C still reaches every run, a kill of the parent alone does not).
     The kernel sends the death signal again each time the child passes to another thread of
     the dying parent, and a second SIGTERM stops ``bpo train`` at once, without its
-    checkpoint: so the death signal is SIGUSR1, turned into one SIGTERM here. Ignoring
-    SIGUSR1 after the first is not enough: a second delivery can trip Python's handler again
-    before the first has run, so the handler itself sends the SIGTERM only once."""
+    checkpoint: so the death signal is SIGUSR1, turned into one SIGTERM here, by a handler
+    that acts once (setting SIGUSR1 to ignored after the first is not enough: a second
+    delivery can trip Python's handler again before the first call has run)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -65,7 +65,6 @@ def term_with_parent(parent: int) -> None:
             if fired:
                 return
             fired.append(True)
-            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
             os.kill(os.getpid(), signal.SIGTERM)
 
         signal.signal(signal.SIGUSR1, on_parent_death)
