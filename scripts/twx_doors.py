@@ -4,8 +4,9 @@
 
 Reads each run's ``summary.json`` (its ``eval_before`` / ``eval_after`` per-task success) and
 asks the game's own gold agent (seeded, as ``bpo``'s TextWorld-Express sandbox runs it for the
-warm start's demos) whether reaching the coin takes an ``open door to ...`` action. The README's default-run section uses it: on the default coin
-games, RL raises success where no door is in the way and moves the door games less, both ways.
+warm start's demos) whether reaching the coin takes an ``open door to ...`` action. The README's
+default-run section uses it: on the default coin games, RL raises success where no door is in
+the way and moves the door games less, both ways.
 """
 
 from __future__ import annotations
