@@ -90,8 +90,9 @@ class Learner:
         data_parallel: DataParallel | None = None,
         total_updates: int | None = None,
     ) -> None:
-        """``total_updates``: the run's policy updates in all, where ``config.lr_schedule``
-        reaches 0 (needed unless the schedule is constant). ``critic=True`` adds a value head (a zero-initialised linear layer on the last hidden
+        """``total_updates``: the run's policy updates in all, just after which
+        ``config.lr_schedule`` reaches 0 (needed unless the schedule is constant).
+        ``critic=True`` adds a value head (a zero-initialised linear layer on the last hidden
         state at each turn's context end, registered on the model as ``value_head`` so that it is
         checkpointed with it) for PPO. ``data_parallel`` shards every minibatch over its ranks
         (module docstring); the models are first broadcast from its rank 0.

@@ -29,9 +29,9 @@ class LearnerConfig:
     lr_schedule: str = "constant"
     """The learning rate after the warm-up: "constant", or decayed towards 0, reached just
     after the run's last policy update, "linear" (the default of transformers' Trainer, so of
-    TRL) or "cosine". A
-    decay makes the last updates small, so the policy a run ends with should depend less on its
-    last few batches; on the CPU demo it did not raise held-out success (README)."""
+    TRL) or "cosine". A decay makes the last updates small, so the policy a run ends with should
+    depend less on its last few batches; on the CPU demo it did not raise held-out success
+    (README)."""
     max_grad_norm: float = 1.0
     """Gradient clipping; the norm before clipping is logged every step."""
     clip_low: float = 0.2
